@@ -1,0 +1,210 @@
+"""Chapter 00: the collectives, simulated in NumPy, written with send/recv, and costed.
+
+* :func:`ring_reduce_scatter_np`, :func:`ring_all_gather_np`, :func:`ring_all_reduce_np`
+  and :func:`all_to_all_np` simulate n devices as a list of arrays and count the bytes
+  each device sends, step by step.
+* :func:`ring_all_reduce` is the same ring written with real ``torch.distributed``
+  send/recv, so that :mod:`intralayer.comm`'s accounting counts the bytes it sends.
+* :func:`collective_time` is the α–β (latency–bandwidth) cost model; :func:`fit_alpha_beta`
+  fits it to measured times; :data:`LINKS` holds link bandwidths with their sources.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .comm import bus_factor
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def _check_devices(arrays) -> int:
+    n = len(arrays)
+    if n < 1:
+        raise ValueError("need at least one simulated device")
+    shapes = {np.shape(a) for a in arrays}
+    if len(shapes) != 1:
+        raise ValueError(f"every device must hold an array of the same shape, got {sorted(shapes)}")
+    return n
+
+
+# ------------------------------------------------------------------ NumPy simulations
+
+@dataclass
+class RingRun:
+    """A simulated ring collective: what each device ends with, and what it sent."""
+
+    result: list            # per device: its final chunk(s) or array
+    sent_bytes: list[int]   # per device
+    steps: list[list[tuple[int, int, int]]]  # per step: (from device, to device, chunk index)
+
+
+def ring_reduce_scatter_np(arrays: list[np.ndarray]) -> RingRun:
+    """Reduce-scatter on a ring: device i ends with chunk i of the sum of all arrays.
+
+    Each array is split into n chunks (``np.array_split`` on the flattened array). At
+    step s = 0 … n−2, device i sends its running partial sum of chunk (i−s−1) mod n to
+    device i+1, which adds its own copy of that chunk. After n−1 steps the partial sum
+    of chunk i, having passed every device once, arrives complete at device i.
+    """
+    n = _check_devices(arrays)
+    parts = [[c.copy() for c in np.array_split(np.asarray(a).ravel(), n)] for a in arrays]
+    sent = [0] * n
+    steps = []
+    for s in range(n - 1):
+        outgoing = [(i, (i + 1) % n, (i - s - 1) % n) for i in range(n)]
+        payload = [parts[i][c].copy() for i, _, c in outgoing]      # all send at once
+        for (i, j, c), data in zip(outgoing, payload):
+            parts[j][c] += data
+            sent[i] += data.nbytes
+        steps.append(outgoing)
+    return RingRun([parts[i][i] for i in range(n)], sent, steps)
+
+
+def ring_all_gather_np(chunks: list[np.ndarray]) -> RingRun:
+    """All-gather on a ring: device i starts with chunk i and ends with all n in order.
+
+    At step s, device i forwards chunk (i−s) mod n, the one it received last, to i+1.
+    """
+    n = len(chunks)
+    if n < 1:
+        raise ValueError("need at least one simulated device")
+    held = [{i: np.asarray(chunks[i]).copy()} for i in range(n)]
+    sent = [0] * n
+    steps = []
+    for s in range(n - 1):
+        outgoing = [(i, (i + 1) % n, (i - s) % n) for i in range(n)]
+        for i, j, c in outgoing:
+            held[j][c] = held[i][c].copy()
+            sent[i] += held[i][c].nbytes
+        steps.append(outgoing)
+    return RingRun([np.concatenate([h[c] for c in range(n)]) for h in held], sent, steps)
+
+
+def ring_all_reduce_np(arrays: list[np.ndarray]) -> RingRun:
+    """All-reduce as reduce-scatter followed by all-gather: 2(n−1) steps."""
+    n = _check_devices(arrays)
+    shape = np.shape(arrays[0])
+    rs = ring_reduce_scatter_np(arrays)
+    ag = ring_all_gather_np(rs.result)
+    return RingRun([r.reshape(shape) for r in ag.result],
+                   [a + b for a, b in zip(rs.sent_bytes, ag.sent_bytes)], rs.steps + ag.steps)
+
+
+def all_to_all_np(blocks: list[list[np.ndarray]]) -> RingRun:
+    """All-to-all: ``blocks[i][j]`` is what device i sends to device j.
+
+    Device j ends with ``[blocks[0][j], blocks[1][j], …]``: the n×n grid of blocks is
+    transposed. A device's block to itself does not travel.
+    """
+    n = len(blocks)
+    if n < 1 or any(len(row) != n for row in blocks):
+        raise ValueError(f"blocks must be an n×n grid (one block per sender and receiver), got rows of "
+                         f"{[len(r) for r in blocks]}")
+    result = [[np.asarray(blocks[i][j]) for i in range(n)] for j in range(n)]
+    sent = [sum(np.asarray(blocks[i][j]).nbytes for j in range(n) if j != i) for i in range(n)]
+    return RingRun(result, sent, [[(i, j, j) for i in range(n) for j in range(n) if i != j]])
+
+
+# ------------------------------------------------------------------ real send/recv ring
+
+def ring_all_reduce(x, group=None):
+    """All-reduce (sum) of a tensor on a ring of real ranks, with send/recv only.
+
+    The same two phases as :func:`ring_all_reduce_np`. Returns a new tensor; every send
+    is recorded by :mod:`intralayer.comm`'s accounting, so the bytes are counted, not
+    assumed. (No autograd: this is for seeing the algorithm, not for training.)
+    """
+    import torch.distributed as dist
+
+    from .comm import sendrecv
+
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    flat = x.detach().contiguous().view(-1).clone()
+    parts = list(flat.tensor_split(n))                    # views into flat: n chunks
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    for s in range(n - 1):                                # reduce-scatter
+        out_c, in_c = (r - s - 1) % n, (r - s - 2) % n
+        got = sendrecv(parts[out_c], nxt, prv, parts[in_c].shape, group, label="ring reduce-scatter")
+        parts[in_c] += got
+    for s in range(n - 1):                                # all-gather
+        out_c, in_c = (r - s) % n, (r - s - 1) % n
+        got = sendrecv(parts[out_c], nxt, prv, parts[in_c].shape, group, label="ring all-gather")
+        parts[in_c].copy_(got)
+    return flat.view_as(x)
+
+
+# ------------------------------------------------------------------ the α–β cost model
+
+@dataclass(frozen=True)
+class Link:
+    """A link's bandwidth one way, per GPU, in bytes/s, and where the figure comes from."""
+
+    bandwidth: float
+    source: str
+
+
+#: One-way bandwidth per GPU. NVLink's 900 GB/s is the two directions together.
+LINKS = {
+    "NVLink 4 (H100 SXM)": Link(450e9, "NVIDIA H100 datasheet: 900 GB/s NVLink per GPU, both directions"),
+    "InfiniBand NDR (1 NIC)": Link(50e9, "NVIDIA ConnectX-7 / NDR: 400 Gb/s per port"),
+    "PCIe 5.0 x16": Link(63e9, "PCI-SIG PCIe 5.0: 32 GT/s × 16 lanes, 128b/130b coding"),
+}
+
+
+def steps(op: str, n: int) -> int:
+    """Latency-bound steps of the ring algorithm (pairwise exchange for all-to-all)."""
+    bus_factor(op, n)                                     # validates op and n
+    return 2 * (n - 1) if op == "all_reduce" else (n - 1)
+
+
+def collective_time(op: str, n: int, size_bytes: float, bandwidth: float, alpha: float) -> float:
+    """α–β model of a collective of S = ``size_bytes`` on n ranks.
+
+    time = steps(op, n)·α + bus_factor(op, n)·S / bandwidth — latency per step plus the
+    bytes each rank must send over its link (Thakur, Rabenseifner & Gropp 2005; the
+    bus-bandwidth factors of nccl-tests).
+    """
+    if size_bytes < 0:
+        raise ValueError(f"message size {size_bytes} bytes must be ≥ 0")
+    if bandwidth <= 0:
+        raise ValueError(f"link bandwidth {bandwidth} bytes/s must be > 0")
+    if alpha < 0:
+        raise ValueError(f"latency α={alpha} s must be ≥ 0")
+    return steps(op, n) * alpha + bus_factor(op, n) * size_bytes / bandwidth
+
+
+@dataclass(frozen=True)
+class Fit:
+    """α (s per step) and bandwidth (bytes/s) fitted to measured times of one collective."""
+
+    op: str
+    n: int
+    alpha: float
+    bandwidth: float
+    max_rel_error: float
+
+    def predict(self, size_bytes):
+        return steps(self.op, self.n) * self.alpha + bus_factor(self.op, self.n) * np.asarray(size_bytes) / self.bandwidth
+
+
+def fit_alpha_beta(op: str, n: int, sizes, times) -> Fit:
+    """Least-squares fit of t = steps·α + factor·S/B, weighting each point by 1/t.
+
+    Relative weighting makes the small (latency-bound) and large (bandwidth-bound)
+    messages count alike although their times differ by orders of magnitude.
+    """
+    S = np.asarray(sizes, dtype=float)
+    t = np.asarray(times, dtype=float)
+    if S.shape != t.shape or S.size < 2:
+        raise ValueError("need at least two (size, time) pairs of equal length")
+    if (t <= 0).any():
+        raise ValueError("measured times must be positive")
+    A = np.stack([np.full_like(S, steps(op, n)), S * bus_factor(op, n)], axis=1) / t[:, None]
+    (alpha, inv_bw), *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
+    if inv_bw <= 0:
+        raise ValueError("the fitted time does not grow with message size; measure larger messages")
+    fit = Fit(op, n, max(alpha, 0.0), 1.0 / inv_bw, 0.0)
+    err = float(np.max(np.abs(fit.predict(S) - t) / t))
+    return Fit(op, n, fit.alpha, fit.bandwidth, err)

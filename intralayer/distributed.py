@@ -1,0 +1,138 @@
+"""Process-group set-up used by every program in :mod:`intralayer.programs`.
+
+A program calls :func:`setup` once, as a context manager::
+
+    with setup() as d:          # d.rank, d.world_size, d.device, d.group
+        ...
+
+It reads the rank and world size that ``torchrun`` puts in the environment, chooses
+NCCL with ``cuda:LOCAL_RANK`` when every local rank has a GPU and gloo on the CPU
+otherwise, gives the process group a timeout so that a missing rank is reported rather
+than waited for forever, and destroys the group on the way out, error or not.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+#: Seconds a collective may wait for a peer before the process group gives up. The
+#: launcher passes its own value down through this variable (see :mod:`launch`).
+TIMEOUT_ENV = "INTRALAYER_PG_TIMEOUT"
+DEFAULT_TIMEOUT_S = 60.0
+
+_REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Dist:
+    """What a program needs to know about its place in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    group: dist.ProcessGroup
+
+    @property
+    def is_main(self) -> bool:
+        """Only rank 0 prints: ranks' prints interleave otherwise."""
+        return self.rank == 0
+
+
+def choose_backend(local_world_size: int) -> tuple[str, str]:
+    """``("nccl", "cuda")`` when every local rank can have its own GPU, else ``("gloo", "cpu")``."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
+        return "nccl", "cuda"
+    return "gloo", "cpu"
+
+
+def timeout_seconds() -> float:
+    """The process-group timeout: ``$INTRALAYER_PG_TIMEOUT`` or 60 s."""
+    raw = os.environ.get(TIMEOUT_ENV, "")
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
+    return value
+
+
+class setup:
+    """Initialise the default process group from torchrun's environment.
+
+    Use it as ``with setup() as d:``. Outside ``torchrun`` (no ``RANK`` in the
+    environment) it raises a ``RuntimeError`` that says how to launch the program.
+    """
+
+    def __init__(self, timeout_s: float | None = None):
+        self.timeout_s = timeout_seconds() if timeout_s is None else float(timeout_s)
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s} must be positive")
+        self.info: Dist | None = None
+
+    def __enter__(self) -> Dist:
+        missing = [k for k in _REQUIRED if k not in os.environ]
+        if missing:
+            raise RuntimeError(
+                f"environment variables {', '.join(missing)} are not set: start this program "
+                "with torchrun (or intralayer.launch.run from a notebook), not with plain python"
+            )
+        rank = int(os.environ["RANK"])
+        world = int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ["LOCAL_RANK"])
+        local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+        # One thread per rank: N ranks on a laptop otherwise fight over every core.
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        backend, kind = choose_backend(local_world)
+        if backend == "gloo" and local_world == world:
+            # Every rank is on this machine: keep gloo's sockets on loopback.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_name())
+        if kind == "cuda":
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=self.timeout_s),
+            device_id=device if kind == "cuda" else None,
+        )
+        self.info = Dist(rank, world, local_rank, device, backend, dist.group.WORLD)
+        return self.info
+
+    def __exit__(self, *exc) -> bool:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return False
+
+
+def _loopback_name() -> str:
+    """The loopback interface's name: ``lo0`` on macOS, ``lo`` elsewhere."""
+    return "lo0" if sys.platform == "darwin" else "lo"
+
+
+def new_group(ranks: list[int], timeout_s: float | None = None) -> dist.ProcessGroup:
+    """A sub-group of ``ranks`` with the same timeout rule as the default group.
+
+    Every rank of the job must call this with the same list, even ranks not in it
+    (``torch.distributed.new_group`` requires it).
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("new_group needs the default process group: call it inside setup()")
+    world = dist.get_world_size()
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad or len(set(ranks)) != len(ranks) or not ranks:
+        raise ValueError(f"ranks {ranks} must be distinct ranks of the job (0..{world - 1})")
+    t = timeout_seconds() if timeout_s is None else timeout_s
+    return dist.new_group(ranks=sorted(ranks), timeout=timedelta(seconds=t))

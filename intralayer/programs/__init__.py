@@ -1,0 +1,1 @@
+"""Runnable multi-process programs, one per demo. Each docstring gives its commands."""
