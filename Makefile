@@ -1,0 +1,52 @@
+# Inside the Layer — every task in one place. `make test` sets up what it needs first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+ASSETS := book/_vendor/.copied
+PYTEST_ARGS ?=
+
+.PHONY: help setup lab test book exercises clean
+
+help:
+	@echo "make lab        set up .venv and open JupyterLab on the course"
+	@echo "make test       set up, then run the whole test suite (unit, notebooks, exercises, book, browser)"
+	@echo "make book       build the web book into _build/html from the stored outputs"
+	@echo "make exercises  regenerate exercises/ from solutions/ (nbgrader)"
+
+setup: $(STAMP) $(ASSETS)
+
+# The venv is made once; it is re-installed only when the pinned requirements change.
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $@
+
+# MathJax, require.js and the widget manager for the offline book, from the npm registry.
+node_modules/.package-lock.json: package.json package-lock.json
+	npm ci --no-audit --no-fund --loglevel=error
+
+$(ASSETS): node_modules/.package-lock.json
+	rm -rf book/_vendor && mkdir -p book/_vendor/mathjax book/_vendor/html-manager
+	cp -r node_modules/mathjax/es5/. book/_vendor/mathjax/
+	cp node_modules/requirejs/require.js book/_vendor/require.js
+	cp -r node_modules/@jupyter-widgets/html-manager/dist/. book/_vendor/html-manager/
+	touch $@
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab chapters/00_collectives.ipynb
+
+test: $(STAMP) $(ASSETS)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+book: $(STAMP) $(ASSETS)
+	$(BIN)/jupyter-book build . --builddir _build -W -n --keep-going
+	@echo "Open _build/html/index.html in a browser (it works offline)."
+
+exercises: $(STAMP)
+	$(BIN)/python tools/exercises.py write
+
+clean:
+	rm -rf _build book/_vendor

@@ -1,0 +1,61 @@
+"""One plot style for the whole course, and the units every chapter labels axes with."""
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg") if matplotlib.get_backend().lower() in ("", "agg") else None
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
+
+#: One colour per collective, the same in every chapter.
+COLORS = {"all_reduce": "#1f5fa8", "all_gather": "#2e9e5b", "reduce_scatter": "#d9822b",
+          "all_to_all": "#b3367a", "send": "#6b6b6b"}
+
+STYLE = {
+    "figure.figsize": (7.0, 3.6), "figure.dpi": 100, "savefig.dpi": 100,
+    "axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False, "axes.spines.right": False,
+    "axes.titlesize": 11, "axes.labelsize": 10, "legend.fontsize": 9, "legend.frameon": False,
+    "font.size": 10,
+}
+
+
+def style() -> None:
+    """Apply the course style (idempotent); every chapter calls it once at the top."""
+    plt.rcParams.update(STYLE)
+
+
+def figure(ncols: int = 1, nrows: int = 1, width: float | None = None, height: float | None = None):
+    """A styled figure and its axes (a single ``Axes`` when 1×1)."""
+    style()
+    w = width or STYLE["figure.figsize"][0] * (1 if ncols == 1 else 0.75 * ncols)
+    h = height or STYLE["figure.figsize"][1] * nrows
+    fig, axes = plt.subplots(nrows, ncols, figsize=(w, h), layout="constrained", squeeze=True)
+    return fig, axes
+
+
+def human_bytes(n: float) -> str:
+    """1536 → '1.5 KiB'; powers of 1024, as message sizes are usually given."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_seconds(t: float) -> str:
+    """0.00042 → '420 µs'."""
+    for scale, unit in ((1, "s"), (1e-3, "ms"), (1e-6, "µs"), (1e-9, "ns")):
+        if abs(t) >= scale or unit == "ns":
+            return f"{t / scale:.3g} {unit}"
+    raise AssertionError("unreachable")
+
+
+def bytes_axis(axis) -> None:
+    """Label a log-scaled axis in KiB/MiB/GiB."""
+    axis.set_major_formatter(FuncFormatter(lambda v, _: human_bytes(v)))
+
+
+def seconds_axis(axis) -> None:
+    """Label a log-scaled time axis in s/ms/µs."""
+    axis.set_major_formatter(FuncFormatter(lambda v, _: human_seconds(v)))
