@@ -38,6 +38,7 @@ class RingRun:
     result: list            # per device: its final chunk(s) or array
     sent_bytes: list[int]   # per device
     steps: list[list[tuple[int, int, int]]]  # per step: (from device, to device, chunk index)
+    states: list[list[list]]  # before the first step and after each: device -> chunk -> array or None
 
 
 def ring_reduce_scatter_np(arrays: list[np.ndarray]) -> RingRun:
@@ -52,6 +53,7 @@ def ring_reduce_scatter_np(arrays: list[np.ndarray]) -> RingRun:
     parts = [[c.copy() for c in np.array_split(np.asarray(a).ravel(), n)] for a in arrays]
     sent = [0] * n
     steps = []
+    states = [[[c.copy() for c in p] for p in parts]]
     for s in range(n - 1):
         outgoing = [(i, (i + 1) % n, (i - s - 1) % n) for i in range(n)]
         payload = [parts[i][c].copy() for i, _, c in outgoing]      # all send at once
@@ -59,7 +61,8 @@ def ring_reduce_scatter_np(arrays: list[np.ndarray]) -> RingRun:
             parts[j][c] += data
             sent[i] += data.nbytes
         steps.append(outgoing)
-    return RingRun([parts[i][i] for i in range(n)], sent, steps)
+        states.append([[c.copy() for c in p] for p in parts])
+    return RingRun([parts[i][i] for i in range(n)], sent, steps, states)
 
 
 def ring_all_gather_np(chunks: list[np.ndarray]) -> RingRun:
@@ -73,13 +76,19 @@ def ring_all_gather_np(chunks: list[np.ndarray]) -> RingRun:
     held = [{i: np.asarray(chunks[i]).copy()} for i in range(n)]
     sent = [0] * n
     steps = []
+
+    def snapshot():
+        return [[h[c].copy() if c in h else None for c in range(n)] for h in held]
+
+    states = [snapshot()]
     for s in range(n - 1):
         outgoing = [(i, (i + 1) % n, (i - s) % n) for i in range(n)]
         for i, j, c in outgoing:
             held[j][c] = held[i][c].copy()
             sent[i] += held[i][c].nbytes
         steps.append(outgoing)
-    return RingRun([np.concatenate([h[c] for c in range(n)]) for h in held], sent, steps)
+        states.append(snapshot())
+    return RingRun([np.concatenate([h[c] for c in range(n)]) for h in held], sent, steps, states)
 
 
 def ring_all_reduce_np(arrays: list[np.ndarray]) -> RingRun:
@@ -88,8 +97,10 @@ def ring_all_reduce_np(arrays: list[np.ndarray]) -> RingRun:
     shape = np.shape(arrays[0])
     rs = ring_reduce_scatter_np(arrays)
     ag = ring_all_gather_np(rs.result)
+    # After the reduce-scatter, device i holds only its finished chunk i.
     return RingRun([r.reshape(shape) for r in ag.result],
-                   [a + b for a, b in zip(rs.sent_bytes, ag.sent_bytes)], rs.steps + ag.steps)
+                   [a + b for a, b in zip(rs.sent_bytes, ag.sent_bytes)], rs.steps + ag.steps,
+                   rs.states + ag.states[1:])
 
 
 def all_to_all_np(blocks: list[list[np.ndarray]]) -> RingRun:
@@ -104,7 +115,8 @@ def all_to_all_np(blocks: list[list[np.ndarray]]) -> RingRun:
                          f"{[len(r) for r in blocks]}")
     result = [[np.asarray(blocks[i][j]) for i in range(n)] for j in range(n)]
     sent = [sum(np.asarray(blocks[i][j]).nbytes for j in range(n) if j != i) for i in range(n)]
-    return RingRun(result, sent, [[(i, j, j) for i in range(n) for j in range(n) if i != j]])
+    moves = [(i, j, j) for i in range(n) for j in range(n) if i != j]
+    return RingRun(result, sent, [moves], [[list(row) for row in blocks], result])
 
 
 # ------------------------------------------------------------------ real send/recv ring

@@ -5,7 +5,7 @@ import matplotlib
 
 matplotlib.use("Agg") if matplotlib.get_backend().lower() in ("", "agg") else None
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FuncFormatter  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 #: One colour per collective, the same in every chapter.
 COLORS = {"all_reduce": "#1f5fa8", "all_gather": "#2e9e5b", "reduce_scatter": "#d9822b",
@@ -45,6 +45,8 @@ def human_bytes(n: float) -> str:
 
 def human_seconds(t: float) -> str:
     """0.00042 → '420 µs'."""
+    if t == 0:
+        return "0"
     for scale, unit in ((1, "s"), (1e-3, "ms"), (1e-6, "µs"), (1e-9, "ns")):
         if abs(t) >= scale or unit == "ns":
             return f"{t / scale:.3g} {unit}"
@@ -52,7 +54,9 @@ def human_seconds(t: float) -> str:
 
 
 def bytes_axis(axis) -> None:
-    """Label a log-scaled axis in KiB/MiB/GiB."""
+    """Label a log-scaled axis in B/KiB/MiB/GiB, with ticks at powers of 16 (256 B, 4 KiB, …)."""
+    axis.set_major_locator(LogLocator(base=16, subs=[1.0]))
+    axis.set_minor_formatter(NullFormatter())
     axis.set_major_formatter(FuncFormatter(lambda v, _: human_bytes(v)))
 
 
