@@ -42,7 +42,7 @@ test: $(STAMP) $(ASSETS)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 book: $(STAMP) $(ASSETS)
-	$(BIN)/jupyter-book build . --builddir _build -W -n --keep-going
+	$(BIN)/jupyter-book build . --path-output . -W -n --keep-going --all
 	@echo "Open _build/html/index.html in a browser (it works offline)."
 
 exercises: $(STAMP)
