@@ -36,7 +36,7 @@ $(ASSETS): node_modules/.package-lock.json
 	touch $@
 
 lab: $(STAMP)
-	$(BIN)/jupyter lab chapters/00_collectives.ipynb
+	$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) chapters/00_collectives.ipynb
 
 test: $(STAMP) $(ASSETS)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
