@@ -213,6 +213,8 @@ def fit_alpha_beta(op: str, n: int, sizes, times) -> Fit:
         raise ValueError("need at least two (size, time) pairs of equal length")
     if (t <= 0).any():
         raise ValueError("measured times must be positive")
+    if n < 2:
+        raise ValueError(f"n={n}: a collective on one rank sends nothing, so there is no model to fit")
     A = np.stack([np.full_like(S, steps(op, n)), S * bus_factor(op, n)], axis=1) / t[:, None]
     (alpha, inv_bw), *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
     if inv_bw <= 0:

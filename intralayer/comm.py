@@ -32,6 +32,8 @@ algorithm the backend chooses, they are the bandwidth-optimal ring's traffic:
 """
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -118,14 +120,14 @@ def bus_factor(op: str, n: int) -> float:
     nccl-tests (doc/PERFORMANCE.md): all-reduce 2(n−1)/n; all-gather, reduce-scatter and
     all-to-all (n−1)/n; broadcast and reduce 1.
     """
-    if not isinstance(n, int) or n < 1:
+    if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 1:
         raise ValueError(f"number of ranks n={n!r} must be a whole number ≥ 1")
     factors = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
                "reduce_scatter": (n - 1) / n, "all_to_all": (n - 1) / n,
                "broadcast": 1.0, "reduce": 1.0}
     if op not in factors:
         raise ValueError(f"unknown collective {op!r}; expected one of {sorted(factors)}")
-    return factors[op] if n > 1 else 0.0
+    return factors[op] if n > 1 else 0.0  # one rank sends nothing
 
 
 # ---------------------------------------------------------------------------- plain ops
@@ -191,7 +193,7 @@ def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gr
     src = x.contiguous()
     out = torch.empty((sum(out_splits), *x.shape[1:]), dtype=x.dtype, device=x.device)
     secs = _timed(lambda: dist.all_to_all_single(out, src, out_splits, in_splits, group=group))
-    row = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+    row = math.prod(x.shape[1:]) * x.element_size()              # bytes per row; x may have no rows
     me = dist.get_rank(group)
     peers = tuple(0 if j == me else c * row for j, c in enumerate(in_splits))
     _record("all_to_all", group, x.numel(), x.element_size(), sum(peers), phase, label, secs, peers)

@@ -12,6 +12,7 @@ than waited for forever, and destroys the group on the way out, error or not.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -61,8 +62,8 @@ def timeout_seconds() -> float:
         value = float(raw)
     except ValueError:
         raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive, finite number of seconds")
     return value
 
 
@@ -75,8 +76,8 @@ class setup:
 
     def __init__(self, timeout_s: float | None = None):
         self.timeout_s = timeout_seconds() if timeout_s is None else float(timeout_s)
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s={timeout_s} must be positive")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"timeout_s={timeout_s} must be a positive, finite number of seconds")
         self.info: Dist | None = None
 
     def __enter__(self) -> Dist:

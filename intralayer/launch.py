@@ -12,7 +12,10 @@ fails, or the timeout passes, every process of the job is stopped and a
 """
 from __future__ import annotations
 
+import math
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,8 +66,8 @@ def _check(module: str, nproc: int, timeout: float) -> None:
         raise ValueError(f"module {module!r} must be a dotted module name such as 'intralayer.programs.collectives'")
     if not isinstance(nproc, int) or not 1 <= nproc <= MAX_RANKS_HERE:
         raise ValueError(f"nproc={nproc!r} must be a whole number from 1 to {MAX_RANKS_HERE} on one machine")
-    if not timeout > 0:
-        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
+    if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"timeout={timeout!r} must be a positive, finite number of seconds")
 
 
 def run(module: str, nproc: int, args: tuple | list = (), timeout: float = 120.0,
@@ -97,11 +100,15 @@ def run(module: str, nproc: int, args: tuple | list = (), timeout: float = 120.0
         finally:  # also on KeyboardInterrupt in a notebook: take every rank down
             stop(proc)
     if code is None:
-        raise LaunchError(_timeout_message(module, nproc, timeout, logs))
+        message = _timeout_message(module, nproc, timeout, logs)
+        shutil.rmtree(logs, ignore_errors=True)
+        raise LaunchError(message)
     result = LaunchResult(module, nproc, time.monotonic() - start,
                           _read_streams(logs, "stdout"), _read_streams(logs, "stderr"))
+    agent = (logs / "torchrun.log").read_text(errors="replace")
+    shutil.rmtree(logs, ignore_errors=True)
     if code != 0:
-        raise LaunchError(_failure_message(module, nproc, code, result, logs))
+        raise LaunchError(_failure_message(module, nproc, code, result, agent))
     if show and result.output:
         print(result.output, end="" if result.output.endswith("\n") else "\n")
     return result
@@ -153,16 +160,39 @@ def _tail(text: str, n: int = TAIL_LINES) -> str:
     return "\n".join(lines[-n:])
 
 
-def _failure_message(module: str, nproc: int, code: int, result: LaunchResult, logs: Path) -> str:
-    failed = [r for r, text in result.stderr.items() if "Traceback" in text or "Error" in text]
-    rank = failed[0] if failed else min(result.stderr, default=0)
+#: What a rank's traceback says when it only lost a peer that failed first.
+_CONSEQUENCE = re.compile(r"closed by peer|reset by peer|DistBackendError|DistNetworkError|Broken pipe", re.I)
+
+
+def _root_cause(agent_log: str) -> int | None:
+    """The rank torchrun names as the first observed failure."""
+    m = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", agent_log, re.S)
+    return int(m.group(1)) if m else None
+
+
+def _culprit(stderr: dict[int, str], agent_log: str) -> int | None:
+    """The rank to blame: one whose own error is not just a lost peer, else torchrun's
+    root cause (whose timing can favour a rank that only lost its peer), else any."""
+    failed = [r for r, text in sorted(stderr.items()) if "Traceback" in text]
+    own = [r for r in failed if not _CONSEQUENCE.search(_tail(stderr[r], 8))]
+    root = _root_cause(agent_log)
+    for group in (own, [root] if root in failed else [], failed):
+        if group:
+            return group[0]
+    return None
+
+
+def _failure_message(module: str, nproc: int, code: int, result: LaunchResult, agent_log: str) -> str:
+    rank = _culprit(result.stderr, agent_log)
     lines = [f"{module} on {nproc} ranks failed (torchrun exit code {code})."]
-    if failed:
-        lines.append(f"Rank {rank} raised; last lines of its stderr:")
+    if rank is not None:
+        others = sorted(r for r, text in result.stderr.items() if "Traceback" in text and r != rank)
+        also = f" (ranks {others} failed after it)" if others else ""
+        lines.append(f"Rank {rank} failed{also}; last lines of its stderr:")
         lines.append(_tail(result.stderr[rank]))
     else:
         lines.append("No rank wrote a traceback; last lines of torchrun's own log:")
-        lines.append(_tail((logs / "torchrun.log").read_text(errors="replace")))
+        lines.append(_tail(agent_log))
     if result.output:
         lines += ["Rank 0's output before the failure:", _tail(result.output, 10)]
     return "\n".join(lines)

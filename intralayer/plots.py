@@ -37,8 +37,9 @@ def human_bytes(n: float) -> str:
     """1536 → '1.5 KiB'; powers of 1024, as message sizes are usually given."""
     n = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
+        shown = f"{n:.0f}" if unit == "B" or n == int(n) else f"{n:.1f}"
+        if abs(float(shown)) < 1024 or unit == "TiB":       # decide after rounding: no "1024.0 KiB"
+            return f"{shown} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
 
@@ -48,7 +49,7 @@ def human_seconds(t: float) -> str:
     if t == 0:
         return "0"
     for scale, unit in ((1, "s"), (1e-3, "ms"), (1e-6, "µs"), (1e-9, "ns")):
-        if abs(t) >= scale or unit == "ns":
+        if float(f"{abs(t) / scale:.3g}") >= 1 or unit == "ns":   # after rounding: no "1e+03 µs"
             return f"{t / scale:.3g} {unit}"
     raise AssertionError("unreachable")
 

@@ -81,6 +81,4 @@ def _numeric(pairs) -> bool:
 
 
 def _label(v) -> str:
-    if isinstance(v, float) and v.is_integer() and abs(v) >= 1e4:
-        return f"{v:.0e}"
-    return str(v)
+    return f"{v:g}" if isinstance(v, float) else str(v)
