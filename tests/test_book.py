@@ -1,6 +1,7 @@
 """The web book: builds with warnings as errors from the stored outputs, loads nothing
 from the internet, and in a real (headless) Chromium the math is typeset, the plots are
-shown and the widgets are drawn. Saves a screenshot of each chapter page."""
+shown, the widget manager loads from the build and no script fails. Saves a screenshot
+of each chapter page."""
 from __future__ import annotations
 
 import functools
@@ -99,6 +100,8 @@ def test_chapter_renders_in_chromium(server, browser, stem):
 
     page.route("**/*", route)
     page.on("pageerror", lambda e: errors.append(str(e)))
+    loaded = {}
+    page.on("response", lambda r: loaded.__setitem__(urlparse(r.url).path, r.status))
     page.goto(f"{server}/chapters/{stem}.html", wait_until="networkidle")
     page.wait_for_function("() => window.MathJax && MathJax.startup && MathJax.startup.document"
                            " && document.querySelectorAll('mjx-container').length > 0", timeout=30_000)
@@ -109,10 +112,12 @@ def test_chapter_renders_in_chromium(server, browser, stem):
                            ".map(i => i.complete && i.naturalWidth > 0)")
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / f"{stem}.png"), full_page=True)
-    widgets = page.evaluate("() => document.querySelectorAll('.jupyter-widgets, .widget-slider').length")
+    amd = page.evaluate("() => typeof window.require === 'function' && typeof window.define === 'function'")
     page.close()
     assert not outside, f"the page tried to reach the internet: {outside[:5]}"
     assert typeset >= 10 and not raw_tex, f"math not typeset: {typeset} formulas, raw TeX left: {raw_tex}"
     assert len(images) >= 3 and all(images), f"plots missing or broken: {images}"
-    assert widgets > 0, "the explorer widget was not drawn from its saved state"
+    manager = {p: s for p, s in loaded.items() if p.endswith(("/require.js", "/html-manager/embed-amd.js"))}
+    assert amd and len(manager) == 2 and set(manager.values()) == {200}, \
+        f"the widget manager (require.js, embed-amd.js) did not load from the build: {manager}"
     assert not errors, f"JavaScript errors: {errors}"
