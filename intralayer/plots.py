@@ -1,11 +1,8 @@
 """One plot style for the whole course, and the units every chapter labels axes with."""
 from __future__ import annotations
 
-import matplotlib
-
-matplotlib.use("Agg") if matplotlib.get_backend().lower() in ("", "agg") else None
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 #: One colour per collective, the same in every chapter.
 COLORS = {"all_reduce": "#1f5fa8", "all_gather": "#2e9e5b", "reduce_scatter": "#d9822b",
