@@ -15,13 +15,16 @@ function                     forward                     backward
 ``all_gather``               all-gather along ``dim``    reduce-scatter along ``dim``
 ``reduce_scatter``           reduce-scatter along dim    all-gather along ``dim``
 ``split``                    keep this rank's chunk      all-gather along ``dim``
+``gather_from_group``        all-gather along ``dim``    keep this rank's chunk
 ``all_to_all``               all-to-all (uneven splits)  all-to-all, splits swapped
 ``ring_shift``               send to rank+k, recv        send the gradient back
 ===========================  ==========================  ===========================
 
 ``all_reduce`` is the true gradient when each rank's copy of the sum feeds a different
 loss; *f* and *g* are the pair to use when the output is replicated and every rank
-computes the same loss (the tensor-parallel case).
+computes the same loss (the tensor-parallel case). For the same reason
+``gather_from_group`` (a replicated gathered output) splits the gradient instead of
+reduce-scattering it, and ``split`` is its conjugate.
 
 Accounting: inside ``with accounting() as acc:`` each call appends a :class:`Record`
 (operation, group size, payload size *S* as nccl-tests defines it, bytes this rank
@@ -154,10 +157,10 @@ def _timed(fn):
     return time.perf_counter() - t0
 
 
-def _all_reduce(x: torch.Tensor, group, phase: str, label: str) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group, phase: str, label: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
     out = x.contiguous().clone()
     n = _size(group)
-    secs = _timed(lambda: dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group))
+    secs = _timed(lambda: dist.all_reduce(out, op=op, group=group))
     _record("all_reduce", group, x.numel(), x.element_size(),
             bus_factor("all_reduce", n) * x.numel() * x.element_size(), phase, label, secs)
     return out
@@ -307,6 +310,18 @@ class _Split(torch.autograd.Function):
         return _all_gather(g, ctx.dim, ctx.group, "backward", ctx.label), None, None, None
 
 
+class _GatherFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, label):
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group, "forward", label)
+
+    @staticmethod
+    def backward(ctx, g):
+        n, me = _size(ctx.group), dist.get_rank(ctx.group)
+        return g.chunk(n, dim=ctx.dim)[me].contiguous(), None, None, None
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, out_splits, in_splits, group, label):
@@ -366,6 +381,22 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, group=None, label: str = "") -
 def split(x: torch.Tensor, dim: int = 0, group=None, label: str = "") -> torch.Tensor:
     """Keep this rank's 1/n chunk of a replicated ``x``; backward all-gathers (no forward traffic)."""
     return _Split.apply(x, _divisible(x, dim, group, "split"), group, label)
+
+
+def gather_from_group(x: torch.Tensor, dim: int = -1, group=None, label: str = "") -> torch.Tensor:
+    """All-gather along ``dim`` into an output every rank then uses identically.
+
+    Backward keeps this rank's chunk of the gradient: each rank computes the same loss
+    from the same gathered tensor, so summing the ranks' gradients (what the
+    reduce-scatter of :func:`all_gather` does) would count it n times. Megatron-LM's
+    ``gather_from_tensor_model_parallel_region``; the conjugate of :func:`split`.
+    """
+    return _GatherFromGroup.apply(x, _check_dim(x, dim), group, label)
+
+
+def all_reduce_max(x: torch.Tensor, group=None, label: str = "") -> torch.Tensor:
+    """Element-wise maximum over the group, with no gradient (a softmax's shift, say)."""
+    return _all_reduce(x.detach(), group, "forward", label, op=dist.ReduceOp.MAX)
 
 
 def exchange_counts(in_splits: list[int], group=None) -> list[int]:

@@ -1,0 +1,359 @@
+"""Tensor parallelism as Megatron-LM lays it out (Shoeybi et al. 2019), built in chapters 01–02.
+
+Each module is made from a dense twin (:mod:`intralayer.model` or ``nn.Linear``) that is
+identical on every rank, with ``from_dense(..., group)``; it keeps only this rank's shard
+of the weights, so its outputs and gradients can be compared with the dense module's.
+
+- :class:`ColumnParallelLinear` — ``Y = X A`` with ``A = [A_1 … A_t]`` split by output
+  columns. Input replicated through *f* (identity forward, all-reduce backward); output
+  split along the last dimension, or gathered when ``gather_output``.
+- :class:`RowParallelLinear` — ``A`` split by input rows, ``X`` split by columns; the
+  partial products are summed by *g* (all-reduce forward, identity backward); the bias
+  is added once, after the sum.
+- :class:`ParallelMLP` — column then row: one all-reduce forward, one backward.
+- :class:`ParallelAttention` — heads split over ranks: q|k|v column-parallel, output
+  projection row-parallel.
+- :class:`ParallelBlock` — a whole GPT block: 2 all-reduces forward, 2 backward.
+- :class:`VocabParallelEmbedding` and :func:`vocab_parallel_cross_entropy` — the vocabulary
+  split over ranks; the ``b·s·v`` logits are never gathered.
+
+Weights live as ``nn.Linear`` does, ``(out_features, in_features)``, so "split by
+columns of A" (with ``Y = X A``) is a split of the weight's *rows*.
+"""
+from __future__ import annotations
+
+import copy
+import numbers
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import comm
+from .model import Attention, Block, TinyGPT, attend, check_shape
+
+
+# ---------------------------------------------------------------------------- rules
+
+def _whole(value, what: str) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{what} must be a whole number ≥ 1, got {value!r}")
+    return int(value)
+
+
+def check_divisible(value: int, t: int, what: str) -> None:
+    """``ValueError`` naming the rule unless the tensor-parallel degree ``t`` divides ``value``."""
+    _whole(t, "the tensor-parallel degree t")
+    if _whole(value, what) % t:
+        raise ValueError(f"{what} {value} is not divisible by the tensor-parallel degree t={t}")
+
+
+def check_degrees(t: int, h: int | None = None, heads: int | None = None, ffn: int | None = None,
+                  vocab: int | None = None) -> None:
+    """Check every rule tensor parallelism puts on a model before any process starts.
+
+    Heads are dealt out whole (each rank attends with ``heads/t`` of them), the hidden,
+    MLP and vocabulary dimensions are split evenly.
+    """
+    if h is not None and heads is not None and _whole(h, "hidden size") % _whole(heads, "number of heads"):
+        raise ValueError(f"hidden size {h} is not divisible by the number of heads {heads}")
+    for value, what in ((h, "hidden size"), (heads, "number of heads"), (ffn, "MLP width"),
+                        (vocab, "vocabulary size")):
+        if value is not None:
+            check_divisible(value, t, what)
+
+
+def _degree(group) -> tuple[int, int]:
+    if not dist.is_initialized():
+        raise RuntimeError("tensor-parallel modules need a process group: build them inside distributed.setup()")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _rows(full: torch.Tensor, t: int, r: int, parts: int = 1) -> torch.Tensor:
+    """Rank r's rows of ``full``, whose rows are ``parts`` stacked blocks split t ways each."""
+    return torch.cat([block.chunk(t, dim=0)[r] for block in full.chunk(parts, dim=0)], dim=0)
+
+
+def _same_device(x: torch.Tensor, param: torch.Tensor, who: str) -> None:
+    if x.device != param.device:
+        raise ValueError(f"{who}: the input is on {x.device} but the weights are on {param.device}")
+    if x.dtype != param.dtype:
+        raise ValueError(f"{who}: the input has dtype {x.dtype} but the weights have {param.dtype}")
+
+
+# ---------------------------------------------------------------------------- linear layers
+
+class ColumnParallelLinear(nn.Module):
+    """``Y_i = X A_i``: this rank holds ``out_features/t`` output features (rows of the weight).
+
+    ``parts`` > 1 treats the output features as that many stacked blocks (a fused q|k|v
+    projection has 3) and gives each rank its slice of every block, so that the local
+    output is again ``[q_i | k_i | v_i]``.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, gather_output: bool = False,
+                 parts: int = 1, label: str = "column"):
+        super().__init__()
+        self.group, self.gather_output, self.parts, self.label = group, gather_output, parts, label
+        self.t, self.rank = _degree(group)
+        self.in_features = weight.shape[1]
+        self.weight = nn.Parameter(weight)                             # (out/t, in)
+        self.bias = nn.Parameter(bias) if bias is not None else None   # (out/t,)
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, group, gather_output: bool = False, parts: int = 1,
+                   label: str = "column") -> "ColumnParallelLinear":
+        t, r = _degree(group)
+        if parts > 1 and linear.out_features % parts:
+            raise ValueError(f"{linear.out_features} output features do not split into {parts} equal blocks")
+        check_divisible(linear.out_features // parts, t,
+                        "output features" if parts == 1 else f"each of the {parts} blocks' output features")
+        if gather_output and parts > 1:
+            raise ValueError("gather_output with parts > 1 would interleave the blocks; gather each block instead")
+        weight = _rows(linear.weight.detach(), t, r, parts).clone()
+        bias = None if linear.bias is None else _rows(linear.bias.detach(), t, r, parts).clone()
+        return cls(weight, bias, group, gather_output, parts, label)
+
+    def shard(self, full: torch.Tensor, name: str) -> torch.Tensor:
+        """This rank's piece of a dense ``weight`` or ``bias`` (or of its gradient)."""
+        return _rows(full, self.t, self.rank, self.parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_shape(x, self.in_features, type(self).__name__, dims=(2, 3))
+        _same_device(x, self.weight, type(self).__name__)
+        x = comm.copy_to_group(x, self.group, f"{self.label} f")    # identity; all-reduce of dX backward
+        y = F.linear(x, self.weight, self.bias)                     # (..., out/t)
+        if self.gather_output:
+            y = comm.gather_from_group(y, -1, self.group, f"{self.label} gather")   # (..., out)
+        return y
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = Σ_i X_i A_i``: this rank holds ``in_features/t`` input features (weight columns).
+
+    With ``input_is_parallel`` the input is already this rank's ``(…, in/t)`` slice (the
+    output of a column-parallel layer); otherwise the full input is split here. The bias
+    is added after the all-reduce, so it is counted once, not t times.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, input_is_parallel: bool = True,
+                 label: str = "row"):
+        super().__init__()
+        self.group, self.input_is_parallel, self.label = group, input_is_parallel, label
+        self.t, self.rank = _degree(group)
+        self.in_features = weight.shape[1] * self.t                    # the dense layer's
+        self.weight = nn.Parameter(weight)                             # (out, in/t)
+        self.bias = nn.Parameter(bias) if bias is not None else None   # (out,), replicated
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, group, input_is_parallel: bool = True,
+                   label: str = "row") -> "RowParallelLinear":
+        t, r = _degree(group)
+        check_divisible(linear.in_features, t, "input features")
+        weight = linear.weight.detach().chunk(t, dim=1)[r].clone()
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(weight, bias, group, input_is_parallel, label)
+
+    def shard(self, full: torch.Tensor, name: str) -> torch.Tensor:
+        return full.chunk(self.t, dim=1)[self.rank] if name == "weight" else full
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        who = type(self).__name__
+        if self.input_is_parallel:
+            check_shape(x, self.in_features // self.t, f"{who} (input_is_parallel: this rank's slice)", dims=(2, 3))
+        else:
+            check_shape(x, self.in_features, who, dims=(2, 3))
+        _same_device(x, self.weight, who)
+        if not self.input_is_parallel:
+            x = comm.split(x, -1, self.group, f"{self.label} split")   # (..., in/t); all-gather backward
+        y = comm.reduce_from_group(F.linear(x, self.weight), self.group, f"{self.label} g")   # (..., out)
+        return y if self.bias is None else y + self.bias
+
+
+# ---------------------------------------------------------------------------- MLP, attention, block
+
+class ParallelMLP(nn.Module):
+    """Megatron's MLP: ``fc1`` by columns, GeLU on each rank's slice, ``fc2`` by rows."""
+
+    def __init__(self, fc1: ColumnParallelLinear, fc2: RowParallelLinear):
+        super().__init__()
+        self.fc1, self.fc2 = fc1, fc2
+
+    @classmethod
+    def from_dense(cls, fc1: nn.Linear, fc2: nn.Linear, group, label: str = "mlp") -> "ParallelMLP":
+        if fc1.out_features != fc2.in_features:
+            raise ValueError(f"fc1 has {fc1.out_features} outputs but fc2 takes {fc2.in_features} inputs")
+        return cls(ColumnParallelLinear.from_dense(fc1, group, label=f"{label}.fc1"),
+                   RowParallelLinear.from_dense(fc2, group, input_is_parallel=True, label=f"{label}.fc2"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))                        # (s, b, ffn/t) → (s, b, h)
+
+
+class ParallelAttention(nn.Module):
+    """Self-attention with ``heads/t`` heads on each rank: no communication inside attention."""
+
+    def __init__(self, qkv: ColumnParallelLinear, proj: RowParallelLinear, heads: int, causal: bool):
+        super().__init__()
+        self.qkv, self.proj, self.local_heads, self.causal = qkv, proj, heads, causal
+
+    @classmethod
+    def from_dense(cls, attn: Attention, group, label: str = "attn") -> "ParallelAttention":
+        t, _ = _degree(group)
+        check_degrees(t, h=attn.proj.in_features, heads=attn.heads)
+        return cls(ColumnParallelLinear.from_dense(attn.qkv, group, parts=3, label=f"{label}.qkv"),
+                   RowParallelLinear.from_dense(attn.proj, group, input_is_parallel=True, label=f"{label}.proj"),
+                   attn.heads // t, attn.causal)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(attend(self.qkv(x), self.local_heads, self.causal))   # (s, b, h/t) → (s, b, h)
+
+
+class ParallelBlock(nn.Module):
+    """A GPT block with tensor parallelism; LayerNorms replicated on every rank."""
+
+    def __init__(self, ln1: nn.LayerNorm, attn: ParallelAttention, ln2: nn.LayerNorm, mlp: ParallelMLP, h: int):
+        super().__init__()
+        self.ln1, self.attn, self.ln2, self.mlp, self.h = ln1, attn, ln2, mlp, h
+
+    @classmethod
+    def from_dense(cls, block: Block, group) -> "ParallelBlock":
+        t, _ = _degree(group)
+        check_degrees(t, h=block.h, heads=block.attn.heads, ffn=block.mlp.fc1.out_features)
+        return cls(copy.deepcopy(block.ln1), ParallelAttention.from_dense(block.attn, group),
+                   copy.deepcopy(block.ln2), ParallelMLP.from_dense(block.mlp.fc1, block.mlp.fc2, group),
+                   block.h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_shape(x, self.h, "ParallelBlock")
+        x = x + self.attn(self.ln1(x))                              # (s, b, h), replicated
+        return x + self.mlp(self.ln2(x))
+
+
+# ---------------------------------------------------------------------------- vocabulary
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds embedding rows ``[r·v/t, (r+1)·v/t)``; other ids look up zeros; *g* sums."""
+
+    def __init__(self, weight: torch.Tensor, vocab: int, group):
+        super().__init__()
+        self.group, self.vocab = group, vocab
+        self.t, self.rank = _degree(group)
+        self.start = self.rank * weight.shape[0]
+        self.weight = nn.Parameter(weight)                            # (v/t, h)
+
+    @classmethod
+    def from_dense(cls, emb: nn.Embedding, group) -> "VocabParallelEmbedding":
+        t, r = _degree(group)
+        check_divisible(emb.num_embeddings, t, "vocabulary size")
+        return cls(emb.weight.detach().chunk(t, dim=0)[r].clone(), emb.num_embeddings, group)
+
+    def shard(self, full: torch.Tensor, name: str) -> torch.Tensor:
+        return full.chunk(self.t, dim=0)[self.rank]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        _check_ids(ids, self.vocab, "VocabParallelEmbedding")
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(torch.where(mine, local, 0), self.weight)   # (s, b, h)
+        out = out * mine.unsqueeze(-1)                                # other ranks' ids → 0
+        return comm.reduce_from_group(out, self.group, "embed g")
+
+
+def _check_ids(ids: torch.Tensor, vocab: int, who: str) -> None:
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{who} expects integer token ids (torch.long), got "
+                         f"{getattr(ids, 'dtype', type(ids).__name__)}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(f"{who}: token ids must lie in [0, {vocab}), got {int(ids.min())}..{int(ids.max())}")
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, group):
+        t, r = dist.get_world_size(group), dist.get_rank(group)
+        v_local = logits.shape[-1]
+        start = r * v_local
+        shift = comm.all_reduce_max(logits.max(dim=-1).values, group, "ce max")       # (...)
+        e = torch.exp(logits - shift.unsqueeze(-1))                                     # (..., v/t)
+        total = comm.all_reduce(e.sum(dim=-1), group, "ce sum-exp")                     # (...)
+        local = targets - start
+        mine = (local >= 0) & (local < v_local)
+        picked = torch.gather(logits, -1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1)
+        target_logit = comm.all_reduce(picked * mine, group, "ce target")               # (...)
+        ctx.save_for_backward(e / total.unsqueeze(-1), torch.where(mine, local, 0), mine)
+        return torch.log(total) + shift - target_logit                                  # (...)
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine = ctx.saved_tensors                       # this rank's slice of softmax
+        g = softmax.clone()
+        g.scatter_add_(-1, local.unsqueeze(-1), -mine.unsqueeze(-1).to(g.dtype))       # − one-hot(target)
+        return g * grad.unsqueeze(-1), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group) -> torch.Tensor:
+    """Cross-entropy per token from this rank's ``(…, v/t)`` slice of the logits.
+
+    Three all-reduces of one number per token (the maximum, the sum of exponentials and
+    the target's logit) replace gathering ``(…, v)`` logits (Shoeybi et al. 2019, §3).
+    Backward needs no communication: ``softmax − one_hot`` restricted to this rank's slice.
+    """
+    t, _ = _degree(group)
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(f"targets {tuple(targets.shape)} must match the logits' leading shape "
+                         f"{tuple(logits.shape[:-1])}")
+    _check_ids(targets, logits.shape[-1] * t, "vocab_parallel_cross_entropy")
+    return _VocabParallelCrossEntropy.apply(logits, targets, group)
+
+
+class ParallelGPT(nn.Module):
+    """:class:`~intralayer.model.TinyGPT` with every layer split: the logits stay split by vocabulary."""
+
+    def __init__(self, embed: VocabParallelEmbedding, blocks: list[ParallelBlock], ln_f: nn.LayerNorm,
+                 head: ColumnParallelLinear, group):
+        super().__init__()
+        self.embed, self.blocks, self.ln_f, self.head, self.group = embed, nn.ModuleList(blocks), ln_f, head, group
+
+    @classmethod
+    def from_dense(cls, model: TinyGPT, group) -> "ParallelGPT":
+        return cls(VocabParallelEmbedding.from_dense(model.embed, group),
+                   [ParallelBlock.from_dense(b, group) for b in model.blocks], copy.deepcopy(model.ln_f),
+                   ColumnParallelLinear.from_dense(model.head, group, label="head"), group)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)                                          # (s, b, h)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))                               # (s, b, v/t): never gathered
+
+    def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(self(ids), targets, self.group).mean()
+
+
+# ---------------------------------------------------------------------------- checking
+
+def expected_shards(parallel: nn.Module, dense: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+    """For every parameter of ``parallel``: the matching piece of ``dense`` (or of its gradient).
+
+    The parallel modules keep their dense twins' names (``attn.qkv``, ``mlp.fc1`` …), so
+    ``parallel.get_parameter(name)`` should equal ``expected_shards(...)[name]``.
+    """
+    out = {}
+    for name, _ in parallel.named_parameters():
+        owner_name, _, leaf = name.rpartition(".")
+        owner = parallel.get_submodule(owner_name) if owner_name else parallel
+        full = dense.get_parameter(name)
+        full = full.grad if grads else full.detach()
+        if full is None:
+            raise ValueError(f"the dense parameter {name} has no gradient: run its backward first")
+        out[name] = owner.shard(full, leaf) if hasattr(owner, "shard") else full
+    return out
+
+
+def weights_per_device(parallel: nn.Module) -> int:
+    """Number of parameters this rank stores."""
+    return sum(p.numel() for p in parallel.parameters())
