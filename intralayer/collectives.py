@@ -161,6 +161,7 @@ class Link:
 LINKS = {
     "NVLink 4 (H100 SXM)": Link(450e9, "NVIDIA H100 datasheet: 900 GB/s NVLink per GPU, both directions"),
     "InfiniBand NDR (1 NIC)": Link(50e9, "NVIDIA ConnectX-7 / NDR: 400 Gb/s per port"),
+    "NVLink 5 (GB200 NVL72)": Link(900e9, "NVIDIA GB200 NVL72: 1.8 TB/s NVLink per GPU, both directions, 72 GPUs"),
     "PCIe 5.0 x16": Link(63e9, "PCI-SIG PCIe 5.0: 32 GT/s × 16 lanes, 128b/130b coding"),
 }
 

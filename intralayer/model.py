@@ -31,6 +31,8 @@ def attend(qkv: torch.Tensor, heads: int, causal: bool = True) -> torch.Tensor:
     ``qkv`` is ``(s, b, 3·heads·d)``; the result is ``(s, b, heads·d)``. Heads never
     interact, which is what lets tensor parallelism give each rank a subset of them.
     """
+    if qkv.dim() != 3:
+        raise ValueError(f"attention expects activations laid out (s, b, h), got shape {tuple(qkv.shape)}")
     s, b, width = qkv.shape
     if width % (3 * heads):
         raise ValueError(f"a fused q|k|v width {width} is not divisible by 3 × {heads} heads")
@@ -84,6 +86,9 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_shape(x, self.h, "Block")
+        if x.dtype != self.ln1.weight.dtype or x.device != self.ln1.weight.device:
+            raise ValueError(f"Block: the input is {x.dtype} on {x.device} but the weights are "
+                             f"{self.ln1.weight.dtype} on {self.ln1.weight.device}")
         x = x + self.attn(self.ln1(x))                               # (s, b, h)
         return x + self.mlp(self.ln2(x))                             # (s, b, h)
 

@@ -1,8 +1,10 @@
 """One plot style for the whole course, and the units every chapter labels axes with."""
 from __future__ import annotations
 
+import math
+
 import matplotlib.pyplot as plt
-from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+from matplotlib.ticker import FuncFormatter, Locator, LogLocator, MaxNLocator, NullFormatter
 
 #: One colour per collective, the same in every chapter.
 COLORS = {"all_reduce": "#1f5fa8", "all_gather": "#2e9e5b", "reduce_scatter": "#d9822b",
@@ -51,11 +53,25 @@ def human_seconds(t: float) -> str:
     raise AssertionError("unreachable")
 
 
-def bytes_axis(axis) -> None:
-    """Label a log-scaled axis in B/KiB/MiB/GiB, with ticks at powers of 16 (256 B, 4 KiB, …)."""
-    axis.set_major_locator(LogLocator(base=16, subs=[1.0]))
-    axis.set_minor_formatter(NullFormatter())
+def bytes_axis(axis, log: bool = True) -> None:
+    """Label an axis in B/KiB/MiB/GiB; a log axis gets ticks at powers of 16 (256 B, 4 KiB, …)."""
+    if log:
+        axis.set_major_locator(LogLocator(base=16, subs=[1.0]))
+        axis.set_minor_formatter(NullFormatter())
+    else:
+        axis.set_major_locator(_BinaryLocator())
     axis.set_major_formatter(FuncFormatter(lambda v, _: human_bytes(v)))
+
+
+class _BinaryLocator(Locator):
+    """Round ticks in the unit the axis reaches (KiB, MiB, …): 0, 100 MiB, 200 MiB, not 143.1 MiB."""
+
+    def __call__(self):
+        return self.tick_values(*self.axis.get_view_interval())
+
+    def tick_values(self, vmin, vmax):
+        unit = 1024.0 ** max(0, math.floor(math.log(max(abs(vmax), 1.0), 1024)))
+        return MaxNLocator(nbins=4, steps=[1, 2, 2.5, 5, 10]).tick_values(vmin / unit, vmax / unit) * unit
 
 
 def seconds_axis(axis) -> None:

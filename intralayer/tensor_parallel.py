@@ -56,6 +56,7 @@ def check_degrees(t: int, h: int | None = None, heads: int | None = None, ffn: i
     Heads are dealt out whole (each rank attends with ``heads/t`` of them), the hidden,
     MLP and vocabulary dimensions are split evenly.
     """
+    _whole(t, "the tensor-parallel degree t")
     if h is not None and heads is not None and _whole(h, "hidden size") % _whole(heads, "number of heads"):
         raise ValueError(f"hidden size {h} is not divisible by the number of heads {heads}")
     for value, what in ((h, "hidden size"), (heads, "number of heads"), (ffn, "MLP width"),
@@ -80,6 +81,64 @@ def _same_device(x: torch.Tensor, param: torch.Tensor, who: str) -> None:
         raise ValueError(f"{who}: the input is on {x.device} but the weights are on {param.device}")
     if x.dtype != param.dtype:
         raise ValueError(f"{who}: the input has dtype {x.dtype} but the weights have {param.dtype}")
+
+
+# ---------------------------------------------------------------------------- cost arithmetic
+
+def linear_costs(m: int, k: int, n: int, t: int, split: str, itemsize: int = 2,
+                 gather_output: bool = False, input_is_parallel: bool = True) -> dict[str, float]:
+    """Bytes one device holds and communicates for ``Y = X A``, X (m, k), A (k, n), split t ways.
+
+    ``split`` is ``"column"`` (A by columns; Megatron's f before, optional gather after)
+    or ``"row"`` (A by rows; g after, optional split before). Returns the bytes of the
+    weights, input and output this device holds, and for each pass the collectives'
+    size S and the bytes this device sends on a ring (``2(t−1)/t·S`` for an all-reduce,
+    ``(t−1)/t·S`` for an all-gather).
+    """
+    for value, what in ((m, "rows m"), (k, "inner dimension k"), (n, "columns n"), (itemsize, "itemsize")):
+        _whole(value, what)
+    if split not in ("column", "row"):
+        raise ValueError(f"split must be 'column' or 'row', got {split!r}")
+    check_divisible(n if split == "column" else k, t, "columns n" if split == "column" else "inner dimension k")
+    ar, ag = comm.bus_factor("all_reduce", t), comm.bus_factor("all_gather", t)
+    weights = k * n // t * itemsize
+    if split == "column":
+        fwd_S = m * n * itemsize if gather_output else 0                 # all-gather of Y
+        bwd_S = m * k * itemsize                                          # all-reduce of dX (f)
+        return dict(weights=weights, input=m * k * itemsize,
+                    output=m * n * itemsize if gather_output else m * n // t * itemsize,
+                    forward_S=fwd_S, forward_sent=ag * fwd_S, backward_S=bwd_S, backward_sent=ar * bwd_S)
+    fwd_S = m * n * itemsize                                              # all-reduce of Y (g)
+    bwd_S = 0 if input_is_parallel else m * k * itemsize                  # all-gather of dX
+    return dict(weights=weights, input=m * k // t * itemsize, output=m * n * itemsize,
+                forward_S=fwd_S, forward_sent=ar * fwd_S, backward_S=bwd_S, backward_sent=ag * bwd_S)
+
+
+def block_costs(s: int, b: int, h: int, heads: int, t: int, itemsize: int = 2, ffn: int | None = None) -> dict:
+    """One GPT block with tensor parallelism t: weights, FLOPs and communication per device.
+
+    - weights: q|k|v and output projections (4h² + 4h biases) and the MLP (2·h·ffn +
+      ffn + h) split t ways, the row layers' biases and the two LayerNorms (4h)
+      replicated — exactly the parameters of :class:`ParallelBlock` on one rank.
+    - forward FLOPs per device: 2 per multiply-add of the four matmuls, 2·s·b·h·(4h +
+      2·ffn), plus attention's scores and weighted sum, 4·b·s²·h; all divided by t. With
+      ffn = 4h that is 24bsh² + 4bs²h (Narayanan et al. 2021). Backward costs twice the
+      forward.
+    - communication: Megatron's 2 all-reduces forward and 2 backward of S = s·b·h
+      numbers; a ring sends 2(t−1)/t·S bytes per device for each.
+    """
+    ffn = 4 * h if ffn is None else ffn
+    check_degrees(t, h=h, heads=heads, ffn=ffn)
+    for value, what in ((s, "sequence length s"), (b, "micro-batch b"), (itemsize, "itemsize")):
+        _whole(value, what)
+    split = (4 * h * h + 3 * h + 2 * h * ffn + ffn) // t          # qkv (+bias), proj, fc1 (+bias), fc2
+    replicated = 2 * h + 4 * h                                     # proj and fc2 biases; 2 LayerNorms
+    flops = (2 * s * b * h * (4 * h + 2 * ffn) + 4 * b * s * s * h) / t
+    S = s * b * h * itemsize
+    sent = comm.bus_factor("all_reduce", t) * S
+    return dict(weights=split + replicated, weight_bytes=(split + replicated) * itemsize,
+                forward_flops=flops, step_flops=3 * flops, allreduce_S=S,
+                allreduces=4, sent=4 * sent)
 
 
 # ---------------------------------------------------------------------------- linear layers
@@ -227,6 +286,7 @@ class ParallelBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_shape(x, self.h, "ParallelBlock")
+        _same_device(x, self.ln1.weight, "ParallelBlock")
         x = x + self.attn(self.ln1(x))                              # (s, b, h), replicated
         return x + self.mlp(self.ln2(x))
 
@@ -280,10 +340,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         total = comm.all_reduce(e.sum(dim=-1), group, "ce sum-exp")                     # (...)
         local = targets - start
         mine = (local >= 0) & (local < v_local)
-        picked = torch.gather(logits, -1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1)
-        target_logit = comm.all_reduce(picked * mine, group, "ce target")               # (...)
+        shifted = logits - shift.unsqueeze(-1)                                          # (..., v/t)
+        picked = torch.gather(shifted, -1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1)
+        target = comm.all_reduce(picked * mine, group, "ce target")                     # z_y − M, (...)
         ctx.save_for_backward(e / total.unsqueeze(-1), torch.where(mine, local, 0), mine)
-        return torch.log(total) + shift - target_logit                                  # (...)
+        # ℓ = log Σ e^(z−M) − (z_y − M): both terms small, so large logits lose no precision.
+        return torch.log(total) - target                                                # (...)
 
     @staticmethod
     def backward(ctx, grad):

@@ -22,6 +22,7 @@ A cluster: the same with ``--nnodes``, ``--rdzv-backend c10d --rdzv-endpoint $HE
 from __future__ import annotations
 
 import argparse
+import json
 import copy
 import math
 
@@ -84,6 +85,8 @@ def linear_cases(d: distributed.Dist, tokens: int, d_in: int, d_out: int) -> lis
                 "db": compare(layer.bias.grad, layer.shard(dense.bias.grad, "bias")),
                 "dX": compare(x_in.grad, dx_want)}
         rows.append(dict(name=name, errs=errs, fwd=collectives(acc, "forward"), bwd=collectives(acc, "backward"),
+                         measured={ph: (sum(r.bytes for r in acc.select(phase=ph)), acc.sent(phase=ph))
+                                   for ph in ("forward", "backward")},
                          weights=layer.weight.numel() + layer.bias.numel(), shape=tuple(out.shape)))
     return rows
 
@@ -145,6 +148,7 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=6, help="rows of X (tokens)")
     p.add_argument("--d-in", type=int, default=8, help="input features (divisible by the number of ranks)")
     p.add_argument("--d-out", type=int, default=12, help="output features (divisible by the number of ranks)")
+    p.add_argument("--out", help="write rank 0's measured bytes per case to this JSON file")
     args = p.parse_args(argv)
     with distributed.setup() as d:
         check_degrees(d.world_size, ffn=args.d_out, h=args.d_in)
@@ -154,6 +158,9 @@ def main(argv=None) -> None:
         dist.all_gather_object(every, (lin, dt))
         if d.is_main:
             report(d, args, every)
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump({row["name"]: row["measured"] for row in lin}, f, indent=1)
 
 
 def report(d: distributed.Dist, args, every) -> None:

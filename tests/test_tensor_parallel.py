@@ -1,0 +1,224 @@
+"""Tests of intralayer.tensor_parallel and the dense twins in intralayer.model.
+
+(a) Every parallel module against its dense twin, forward and backward, on 2 and 4 ranks
+    (tests/programs/tp_checks.py, launched like the comm checks).
+(b) The divisibility rules, checked before any process starts.
+(c) Building a parallel module outside a process group.
+(d) The dense twins on one process: shapes, attention against its formula, bad sizes.
+"""
+from __future__ import annotations
+
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from intralayer import launch, model
+from intralayer import tensor_parallel as tp
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the programs' package, whatever directory pytest runs from
+    sys.path.insert(0, str(ROOT))
+from tests.programs import tp_checks  # noqa: E402
+ENV = {"PYTHONPATH": str(ROOT)}
+
+S, B, H, HEADS, VOCAB = 4, 2, 16, 4, 32
+
+
+# ------------------------------------------------------------------ (a) on real ranks
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_parallel_modules_match_their_dense_twins(nproc):
+    result = launch.run("tests.programs.tp_checks", nproc, env=ENV, timeout=90, show=False)
+    assert f"{tp_checks.MARKER} {nproc}" in result.output
+    assert all("Traceback" not in text for text in result.stderr.values())
+
+
+# ------------------------------------------------------------------ (b) the rules
+
+@pytest.mark.parametrize("t, dims", [
+    (1, dict(h=10, heads=5, ffn=7, vocab=11)),          # one device: anything goes
+    (2, dict(h=16, heads=4, ffn=64, vocab=32)),
+    (4, dict(h=16, heads=4, ffn=64, vocab=32)),
+    (8, dict(h=64, heads=8, ffn=256, vocab=50304)),
+    (4, dict(h=16)),                                    # any subset of the dimensions
+    (4, dict(heads=4, vocab=32)),
+    (2, dict(ffn=6)),
+    (4, dict(h=16, heads=16)),                          # one-wide heads
+])
+def test_check_degrees_accepts_valid_combinations(t, dims):
+    assert tp.check_degrees(t, **dims) is None
+
+
+@pytest.mark.parametrize("t, dims, message", [
+    (4, dict(h=10), "hidden size 10 is not divisible by the tensor-parallel degree t=4"),
+    (4, dict(h=16, heads=6), "hidden size 16 is not divisible by the number of heads 6"),
+    (4, dict(h=24, heads=6), "number of heads 6 is not divisible by the tensor-parallel degree t=4"),
+    (2, dict(h=12, heads=3), "number of heads 3 is not divisible by the tensor-parallel degree t=2"),
+    (4, dict(h=16, heads=4, ffn=30), "MLP width 30 is not divisible by the tensor-parallel degree t=4"),
+    (2, dict(vocab=50257), "vocabulary size 50257 is not divisible by the tensor-parallel degree t=2"),
+    (8, dict(h=64, heads=8, ffn=256, vocab=50257),
+     "vocabulary size 50257 is not divisible by the tensor-parallel degree t=8"),
+])
+def test_check_degrees_names_the_broken_rule(t, dims, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tp.check_degrees(t, **dims)
+
+
+@pytest.mark.parametrize("t", [0, -1, 2.5, True, "2"])
+def test_check_degrees_rejects_a_bad_degree_even_without_dimensions(t):
+    with pytest.raises(ValueError, match="tensor-parallel degree t must be a whole number"):
+        tp.check_degrees(t)
+
+
+@pytest.mark.parametrize("t, dims, message", [
+    (0, dict(h=16), "the tensor-parallel degree t must be a whole number ≥ 1, got 0"),
+    (-2, dict(h=16), "the tensor-parallel degree t must be a whole number ≥ 1, got -2"),
+    (2.0, dict(h=16), "the tensor-parallel degree t must be a whole number ≥ 1, got 2.0"),
+    (True, dict(h=16), "the tensor-parallel degree t must be a whole number ≥ 1, got True"),
+    ("2", dict(vocab=32), "the tensor-parallel degree t must be a whole number ≥ 1, got '2'"),
+    (2, dict(h=0), "hidden size must be a whole number ≥ 1, got 0"),
+    (2, dict(h=16.0), "hidden size must be a whole number ≥ 1, got 16.0"),
+    (2, dict(h=16, heads=0), "number of heads must be a whole number ≥ 1, got 0"),
+    (2, dict(ffn=-64), "MLP width must be a whole number ≥ 1, got -64"),
+    (2, dict(vocab=32.5), "vocabulary size must be a whole number ≥ 1, got 32.5"),
+])
+def test_check_degrees_rejects_non_whole_or_zero_values(t, dims, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tp.check_degrees(t, **dims)
+
+
+@pytest.mark.parametrize("value, t", [(16, 1), (16, 2), (16, 4), (16, 16), (50304, 8), (7, 7)])
+def test_check_divisible_accepts(value, t):
+    assert tp.check_divisible(value, t, "hidden size") is None
+
+
+@pytest.mark.parametrize("value, t, what, message", [
+    (10, 4, "hidden size", "hidden size 10 is not divisible by the tensor-parallel degree t=4"),
+    (17, 2, "output features", "output features 17 is not divisible by the tensor-parallel degree t=2"),
+    (4, 8, "number of heads", "number of heads 4 is not divisible by the tensor-parallel degree t=8"),
+    (0, 2, "MLP width", "MLP width must be a whole number ≥ 1, got 0"),
+    (16.0, 2, "MLP width", "MLP width must be a whole number ≥ 1, got 16.0"),
+    (False, 2, "MLP width", "MLP width must be a whole number ≥ 1, got False"),
+    (16, 0, "hidden size", "the tensor-parallel degree t must be a whole number ≥ 1, got 0"),
+    (16, 2.5, "hidden size", "the tensor-parallel degree t must be a whole number ≥ 1, got 2.5"),
+    (16, None, "hidden size", "the tensor-parallel degree t must be a whole number ≥ 1, got None"),
+])
+def test_check_divisible_names_the_numbers(value, t, what, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tp.check_divisible(value, t, what)
+
+
+# ------------------------------------------------------------------ (c) outside a process group
+
+def _dense_gpt():
+    torch.manual_seed(0)
+    return model.TinyGPT(VOCAB, H, HEADS)
+
+
+@pytest.mark.parametrize("build", [
+    pytest.param(lambda: tp.ColumnParallelLinear.from_dense(nn.Linear(H, 2 * H), None), id="column"),
+    pytest.param(lambda: tp.RowParallelLinear.from_dense(nn.Linear(2 * H, H), None), id="row"),
+    pytest.param(lambda: tp.ParallelMLP.from_dense(nn.Linear(H, 4 * H), nn.Linear(4 * H, H), None), id="mlp"),
+    pytest.param(lambda: tp.ParallelAttention.from_dense(model.Attention(H, HEADS), None), id="attention"),
+    pytest.param(lambda: tp.ParallelBlock.from_dense(model.Block(H, HEADS), None), id="block"),
+    pytest.param(lambda: tp.VocabParallelEmbedding.from_dense(nn.Embedding(VOCAB, H), None), id="embedding"),
+    pytest.param(lambda: tp.ParallelGPT.from_dense(_dense_gpt(), None), id="gpt"),
+    pytest.param(lambda: tp.ColumnParallelLinear(torch.zeros(H, H), None, None), id="column-init"),
+    pytest.param(lambda: tp.vocab_parallel_cross_entropy(torch.zeros(S, B, VOCAB),
+                                                         torch.zeros(S, B, dtype=torch.long), None),
+                 id="cross-entropy"),
+])
+def test_building_outside_a_process_group_says_to_use_setup(build):
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=r"process group.*distributed\.setup\(\)"):
+        build()
+
+
+# ------------------------------------------------------------------ (d) the dense twins
+
+def _reference_attention(qkv: torch.Tensor, heads: int, causal: bool) -> torch.Tensor:
+    """softmax(q kᵀ/√d + mask) v, head by head, written out."""
+    s, b, width = qkv.shape
+    d = width // 3 // heads
+    q, k, v = (t.reshape(s, b, heads, d) for t in qkv.chunk(3, dim=-1))
+    scores = torch.einsum("sbhd,tbhd->bhst", q, k) / math.sqrt(d)          # (b, heads, s, s)
+    if causal:
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    o = torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), v)              # (s, b, heads, d)
+    return o.reshape(s, b, heads * d)
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attend_shape_and_formula(heads, causal):
+    qkv = torch.randn(S, B, 3 * H, generator=torch.Generator().manual_seed(heads))
+    out = model.attend(qkv, heads, causal)
+    assert out.shape == (S, B, H)
+    torch.testing.assert_close(out, _reference_attention(qkv, heads, causal))
+
+
+def test_attend_is_causal_and_heads_do_not_mix():
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(S, B, 3 * H, generator=g)
+    later = qkv.clone()
+    later[-1] += torch.randn(B, 3 * H, generator=g)                    # change only the last position
+    torch.testing.assert_close(model.attend(later, HEADS)[:-1], model.attend(qkv, HEADS)[:-1])
+    # Attention on a subset of heads is that subset of the output (what lets ranks split heads).
+    d = H // HEADS
+    q, k, v = qkv.chunk(3, dim=-1)
+    first_two = torch.cat([q[..., :2 * d], k[..., :2 * d], v[..., :2 * d]], dim=-1)
+    torch.testing.assert_close(model.attend(first_two, 2), model.attend(qkv, HEADS)[..., :2 * d])
+
+
+def test_attend_rejects_a_width_that_does_not_split_into_heads():
+    with pytest.raises(ValueError, match=re.escape("a fused q|k|v width 48 is not divisible by 3 × 5 heads")):
+        model.attend(torch.zeros(S, B, 3 * H), 5)
+
+
+def test_block_and_gpt_shapes():
+    torch.manual_seed(0)
+    block = model.Block(H, HEADS)
+    x = torch.randn(S, B, H)
+    assert block(x).shape == (S, B, H)
+    assert block.mlp.fc1.out_features == 4 * H
+    assert model.Block(H, HEADS, ffn=24).mlp.fc1.out_features == 24
+    assert model.Attention(H, HEADS)(x).shape == (S, B, H)
+    assert model.MLP(H)(x).shape == (S, B, H)
+    gpt = model.TinyGPT(VOCAB, H, HEADS, layers=2)
+    ids = torch.randint(0, VOCAB, (S, B))
+    assert gpt(ids).shape == (S, B, VOCAB)
+    loss = gpt.loss(ids, ids)
+    assert loss.shape == () and torch.isfinite(loss)
+
+
+def test_block_is_pre_layernorm_residual():
+    torch.manual_seed(0)
+    block = model.Block(H, HEADS)
+    x = torch.randn(S, B, H)
+    y = x + block.attn(block.ln1(x))
+    want = y + block.mlp.fc2(F.gelu(block.mlp.fc1(block.ln2(y))))
+    torch.testing.assert_close(block(x), want)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (torch.zeros(S * B, H), "Block expects 3 dimensions with the last of size 16, got shape (8, 16)"),
+    (torch.zeros(S, B, H + 1), "Block expects 3 dimensions with the last of size 16, got shape (4, 2, 17)"),
+    (torch.zeros(S, B, H, dtype=torch.long), "Block expects a floating-point tensor, got dtype torch.int64"),
+    ([[0.0] * H], "Block expects a torch.Tensor, got list"),
+])
+def test_block_rejects_bad_input(bad, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        model.Block(H, HEADS)(bad)
+
+
+@pytest.mark.parametrize("h, heads", [(12, 5), (16, 3), (16, 0), (16, -4)])
+def test_attention_rejects_h_not_divisible_by_heads(h, heads):
+    with pytest.raises(ValueError, match=re.escape(f"hidden size {h} is not divisible by the number of heads {heads}")):
+        model.Attention(h, heads)
