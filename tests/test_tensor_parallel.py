@@ -222,3 +222,29 @@ def test_block_rejects_bad_input(bad, message):
 def test_attention_rejects_h_not_divisible_by_heads(h, heads):
     with pytest.raises(ValueError, match=re.escape(f"hidden size {h} is not divisible by the number of heads {heads}")):
         model.Attention(h, heads)
+
+
+def test_cost_functions_answer_or_explain_over_the_chapter_explorer_grids():
+    """Every slider combination of chapters 01–02 gives numbers or a ValueError naming a rule."""
+    import itertools
+    answered = refused = 0
+    for m, k, n, t in itertools.product([2048, 8192, 32768], [1024, 4096, 12288], [1024, 4096, 12288, 49152],
+                                        [1, 2, 3, 4, 8, 16]):
+        for split in ("column", "row"):
+            try:
+                c = tp.linear_costs(m, k, n, t, split)
+                assert c["weights"] * t == k * n * 2 and c["forward_sent"] >= 0 and c["backward_sent"] >= 0
+                answered += 1
+            except ValueError as err:
+                assert "not divisible by the tensor-parallel degree" in str(err)
+                refused += 1
+    for h, heads, s, b, t in itertools.product([4096, 8192, 12288, 16384], [32, 64, 96, 128], [2048, 8192, 32768],
+                                               [1, 4], [1, 2, 4, 8, 16, 32, 64, 72]):
+        try:
+            c = tp.block_costs(s, b, h, heads, t)
+            assert c["sent"] == (0 if t == 1 else 4 * 2 * (t - 1) / t * s * b * h * 2)
+            answered += 1
+        except ValueError as err:
+            assert "is not divisible by" in str(err)
+            refused += 1
+    assert answered and refused
