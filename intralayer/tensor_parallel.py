@@ -99,7 +99,10 @@ def linear_costs(m: int, k: int, n: int, t: int, split: str, itemsize: int = 2,
         _whole(value, what)
     if split not in ("column", "row"):
         raise ValueError(f"split must be 'column' or 'row', got {split!r}")
-    check_divisible(n if split == "column" else k, t, "columns n" if split == "column" else "inner dimension k")
+    _whole(t, "the tensor-parallel degree t")
+    value, what = (n, "n (columns of A)") if split == "column" else (k, "k (rows of A)")
+    if value % t:
+        raise ValueError(f"{what} = {value} is not divisible by the tensor-parallel degree t={t}")
     ar, ag = comm.bus_factor("all_reduce", t), comm.bus_factor("all_gather", t)
     weights = k * n // t * itemsize
     if split == "column":
