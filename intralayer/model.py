@@ -3,15 +3,29 @@
 Activations are laid out ``(s, b, h)`` — sequence first, as in Megatron-LM — so that
 splitting along the sequence (chapters 03–04) is a split of dimension 0. The block is
 pre-LayerNorm: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``, with causal self-attention
-and a GeLU MLP of width ``ffn`` (4h unless given). No dropout: a parallel run must draw
-the same random numbers as the dense one to be compared with it, and the course compares
-exactly.
+and a GeLU MLP of width ``ffn`` (4h unless given).
+
+Options for chapter 03's memory measurements, off by default (a parallel run can only be
+compared exactly with the dense one when no random numbers are drawn):
+
+- ``dropout``: the probability, applied to the attention probabilities and after the
+  attention and MLP outputs, as in GPT and in Korthikanti et al. 2022. It saves a 1-byte
+  mask, as GPU kernels do (``torch.native_dropout``; CPU ``F.dropout`` keeps a float mask).
+- ``fused``: attention through ``scaled_dot_product_attention`` (a FlashAttention-style
+  kernel that keeps no s×s matrix) or, when False, written out — scores, softmax,
+  dropout, weighted sum — so that every tensor the paper counts is really kept.
+- ``recompute``: ``"selective"`` recomputes the attention core in the backward pass,
+  ``"full"`` the whole block (:func:`checkpoint`).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+RECOMPUTE = ("none", "selective", "full")
 
 
 def check_shape(x: torch.Tensor, last: int, who: str, dims: tuple[int, ...] = (3,)) -> None:
@@ -25,11 +39,34 @@ def check_shape(x: torch.Tensor, last: int, who: str, dims: tuple[int, ...] = (3
         raise ValueError(f"{who} expects {want} with the last of size {last}, got shape {tuple(x.shape)}")
 
 
-def attend(qkv: torch.Tensor, heads: int, causal: bool = True) -> torch.Tensor:
+def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+    """Dropout that saves a 1-byte mask for backward (``torch.native_dropout``)."""
+    if not training or p == 0:
+        return x
+    return torch.native_dropout(x, p, True)[0]
+
+
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, p: float = 0.0,
+                   fused: bool = True) -> torch.Tensor:
+    """softmax(q kᵀ/√d + mask) v for ``(b, heads, s, d)`` tensors, fused or written out."""
+    if fused and p == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)        # (b, heads, s, d)
+    s = q.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) * (1 / math.sqrt(q.shape[-1]))          # (b, heads, s, s)
+    if causal:                                                                  # an added −∞ mask saves nothing
+        scores = scores + torch.full((s, s), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+    probs = dropout(torch.softmax(scores, dim=-1), p)                           # (b, heads, s, s)
+    return probs @ v                                                            # (b, heads, s, d)
+
+
+def attend(qkv: torch.Tensor, heads: int, causal: bool = True, p: float = 0.0, fused: bool = True,
+           recompute: bool = False) -> torch.Tensor:
     """Multi-head attention on a fused projection ``[q | k | v]`` of ``heads`` heads.
 
     ``qkv`` is ``(s, b, 3·heads·d)``; the result is ``(s, b, heads·d)``. Heads never
     interact, which is what lets tensor parallelism give each rank a subset of them.
+    With ``recompute`` the core (scores, softmax, dropout, weighted sum) keeps nothing
+    for backward but q, k and v, and is run again in the backward pass.
     """
     if qkv.dim() != 3:
         raise ValueError(f"attention expects activations laid out (s, b, h), got shape {tuple(qkv.shape)}")
@@ -41,8 +78,49 @@ def attend(qkv: torch.Tensor, heads: int, causal: bool = True) -> torch.Tensor:
     def by_head(t):
         return t.reshape(s, b, heads, -1).permute(1, 2, 0, 3)        # (b, heads, s, d)
 
-    o = F.scaled_dot_product_attention(by_head(q), by_head(k), by_head(v), is_causal=causal)  # (b, heads, s, d)
+    def core(q_, k_, v_):
+        return attention_core(q_, k_, v_, causal, p, fused)
+
+    args = (by_head(q), by_head(k), by_head(v))
+    o = checkpoint(core, *args) if recompute else core(*args)       # (b, heads, s, d)
     return o.permute(2, 0, 1, 3).reshape(s, b, -1)                   # (s, b, heads·d)
+
+
+class _Checkpoint(torch.autograd.Function):
+    """Run ``fn`` without keeping its intermediates; run it again, with grad, in backward."""
+
+    @staticmethod
+    def forward(ctx, fn, *inputs):
+        ctx.fn = fn
+        ctx.rng = torch.get_rng_state()               # dropout must draw the same masks again
+        ctx.cuda_rng = [torch.cuda.get_rng_state(t.device) for t in inputs[:1] if t.is_cuda]
+        ctx.save_for_backward(*inputs)                # the only tensors kept: the inputs
+        with torch.no_grad():
+            return fn(*inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        devices = [t.device for t in inputs[:1] if t.is_cuda]
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(ctx.rng)
+            for dev, state in zip(devices, ctx.cuda_rng):
+                torch.cuda.set_rng_state(state, dev)
+            with torch.enable_grad():
+                out = ctx.fn(*inputs)
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.autograd.backward(outs, grads)          # parameters' gradients accumulate here
+        return (None, *(t.grad if t.requires_grad else None for t in inputs))
+
+
+def checkpoint(fn, *inputs: torch.Tensor):
+    """Activation recomputation: keep only ``inputs`` for backward, recompute ``fn`` there.
+
+    The same idea as ``torch.utils.checkpoint`` (its reentrant form), written out so
+    that the course can count exactly what it keeps (Chen et al. 2016; Korthikanti et al.
+    2022 recompute only the attention core, "selective" recomputation).
+    """
+    return _Checkpoint.apply(fn, *inputs)
 
 
 class MLP(nn.Module):
@@ -61,36 +139,55 @@ class MLP(nn.Module):
 class Attention(nn.Module):
     """Causal self-attention with a fused q|k|v projection and an output projection."""
 
-    def __init__(self, h: int, heads: int, bias: bool = True, causal: bool = True):
+    def __init__(self, h: int, heads: int, bias: bool = True, causal: bool = True, dropout: float = 0.0,
+                 fused: bool = True, recompute: bool = False):
         super().__init__()
         if heads < 1 or h % heads:
             raise ValueError(f"hidden size {h} is not divisible by the number of heads {heads}")
-        self.heads, self.causal = heads, causal
+        _check_p(dropout)
+        self.heads, self.causal, self.p, self.fused, self.recompute = heads, causal, dropout, fused, recompute
         self.qkv = nn.Linear(h, 3 * h, bias=bias)
         self.proj = nn.Linear(h, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(attend(self.qkv(x), self.heads, self.causal))   # (s, b, h)
+        o = attend(self.qkv(x), self.heads, self.causal, self.p if self.training else 0.0, self.fused,
+                   self.recompute)                                   # (s, b, heads·d)
+        return self.proj(o)                                          # (s, b, h)
 
 
 class Block(nn.Module):
-    """A pre-LayerNorm GPT block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
+    """A pre-LayerNorm GPT block: ``x + drop(attn(ln1(x)))``, then ``x + drop(mlp(ln2(x)))``."""
 
-    def __init__(self, h: int, heads: int, ffn: int | None = None, causal: bool = True):
+    def __init__(self, h: int, heads: int, ffn: int | None = None, causal: bool = True, dropout: float = 0.0,
+                 fused: bool = True, recompute: str = "none"):
         super().__init__()
-        self.h = h
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+        _check_p(dropout)
+        self.h, self.p, self.recompute = h, dropout, recompute
         self.ln1 = nn.LayerNorm(h)
-        self.attn = Attention(h, heads, causal=causal)
+        self.attn = Attention(h, heads, causal=causal, dropout=dropout, fused=fused,
+                              recompute=recompute == "selective")
         self.ln2 = nn.LayerNorm(h)
         self.mlp = MLP(h, ffn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_shape(x, self.h, "Block")
+        check_shape(x, self.h, type(self).__name__)
         if x.dtype != self.ln1.weight.dtype or x.device != self.ln1.weight.device:
-            raise ValueError(f"Block: the input is {x.dtype} on {x.device} but the weights are "
+            raise ValueError(f"{type(self).__name__}: the input is {x.dtype} on {x.device} but the weights are "
                              f"{self.ln1.weight.dtype} on {self.ln1.weight.device}")
-        x = x + self.attn(self.ln1(x))                               # (s, b, h)
-        return x + self.mlp(self.ln2(x))                             # (s, b, h)
+        return checkpoint(self.layer, x) if self.recompute == "full" else self.layer(x)
+
+    def layer(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's computation (parallel blocks reuse it with sharded parts)."""
+        p = self.p if self.training else 0.0
+        x = x + dropout(self.attn(self.ln1(x)), p)                   # (s, b, h)
+        return x + dropout(self.mlp(self.ln2(x)), p)                 # (s, b, h)
+
+
+def _check_p(p: float) -> None:
+    if not 0 <= p < 1:
+        raise ValueError(f"dropout probability {p} must lie in [0, 1)")
 
 
 class TinyGPT(nn.Module):

@@ -253,12 +253,16 @@ class ParallelMLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))                        # (s, b, ffn/t) → (s, b, h)
 
 
-class ParallelAttention(nn.Module):
-    """Self-attention with ``heads/t`` heads on each rank: no communication inside attention."""
+class ParallelAttention(Attention):
+    """Self-attention with ``heads/t`` heads on each rank: no communication inside attention.
 
-    def __init__(self, qkv: ColumnParallelLinear, proj: RowParallelLinear, heads: int, causal: bool):
-        super().__init__()
-        self.qkv, self.proj, self.local_heads, self.causal = qkv, proj, heads, causal
+    It runs :class:`~intralayer.model.Attention`'s own forward with sharded projections.
+    """
+
+    def __init__(self, qkv: nn.Module, proj: nn.Module, heads: int, dense: Attention):
+        nn.Module.__init__(self)
+        self.qkv, self.proj, self.heads = qkv, proj, heads
+        self.causal, self.p, self.fused, self.recompute = dense.causal, dense.p, dense.fused, dense.recompute
 
     @classmethod
     def from_dense(cls, attn: Attention, group, label: str = "attn") -> "ParallelAttention":
@@ -266,32 +270,27 @@ class ParallelAttention(nn.Module):
         check_degrees(t, h=attn.proj.in_features, heads=attn.heads)
         return cls(ColumnParallelLinear.from_dense(attn.qkv, group, parts=3, label=f"{label}.qkv"),
                    RowParallelLinear.from_dense(attn.proj, group, input_is_parallel=True, label=f"{label}.proj"),
-                   attn.heads // t, attn.causal)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(attend(self.qkv(x), self.local_heads, self.causal))   # (s, b, h/t) → (s, b, h)
+                   attn.heads // t, attn)
 
 
-class ParallelBlock(nn.Module):
-    """A GPT block with tensor parallelism; LayerNorms replicated on every rank."""
+class ParallelBlock(Block):
+    """A GPT block with tensor parallelism; LayerNorms replicated on every rank.
 
-    def __init__(self, ln1: nn.LayerNorm, attn: ParallelAttention, ln2: nn.LayerNorm, mlp: ParallelMLP, h: int):
-        super().__init__()
-        self.ln1, self.attn, self.ln2, self.mlp, self.h = ln1, attn, ln2, mlp, h
+    It runs :class:`~intralayer.model.Block`'s own forward (dropout and recomputation
+    included) with a parallel attention and MLP.
+    """
+
+    def __init__(self, ln1: nn.LayerNorm, attn: nn.Module, ln2: nn.LayerNorm, mlp: nn.Module, dense: Block):
+        nn.Module.__init__(self)
+        self.ln1, self.attn, self.ln2, self.mlp = ln1, attn, ln2, mlp
+        self.h, self.p, self.recompute = dense.h, dense.p, dense.recompute
 
     @classmethod
     def from_dense(cls, block: Block, group) -> "ParallelBlock":
         t, _ = _degree(group)
         check_degrees(t, h=block.h, heads=block.attn.heads, ffn=block.mlp.fc1.out_features)
         return cls(copy.deepcopy(block.ln1), ParallelAttention.from_dense(block.attn, group),
-                   copy.deepcopy(block.ln2), ParallelMLP.from_dense(block.mlp.fc1, block.mlp.fc2, group),
-                   block.h)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_shape(x, self.h, "ParallelBlock")
-        _same_device(x, self.ln1.weight, "ParallelBlock")
-        x = x + self.attn(self.ln1(x))                              # (s, b, h), replicated
-        return x + self.mlp(self.ln2(x))
+                   copy.deepcopy(block.ln2), ParallelMLP.from_dense(block.mlp.fc1, block.mlp.fc2, group), block)
 
 
 # ---------------------------------------------------------------------------- vocabulary

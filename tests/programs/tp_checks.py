@@ -184,7 +184,7 @@ def check_attention_block_gpt(n, r, group):
         torch.manual_seed(12)
         dense = model.Attention(H, HEADS, causal=causal)
         par = ParallelAttention.from_dense(dense, group)
-        expect(par.local_heads == HEADS // n, f"attention: {par.local_heads} local heads")
+        expect(par.heads == HEADS // n, f"attention: {par.heads} local heads")
         check_against_dense(par, dense, randn(S, B, H, seed=13), randn(S, B, H, seed=14),
                             f"attention causal={causal}")
 
