@@ -227,6 +227,48 @@ def _ring_shift(x: torch.Tensor, shift: int, group, phase: str, label: str) -> t
     return _exchange(src, torch.empty_like(src), (me + shift) % n, (me - shift) % n, group, phase, label)
 
 
+class PendingExchange:
+    """Sends and receives in flight; :meth:`wait` returns the received tensors."""
+
+    def __init__(self, works, received, record):
+        self._works, self._received, self._record, self._t0 = works, received, record, time.perf_counter()
+
+    def wait(self) -> list[torch.Tensor]:
+        for w in self._works:
+            w.wait()
+        self._record(time.perf_counter() - self._t0)
+        return self._received
+
+
+def ring_exchange_start(tensors: list[torch.Tensor], shift: int = 1, group=None, label: str = "",
+                        phase: str = "forward") -> PendingExchange:
+    """Start sending ``tensors`` to rank r+shift and receiving the same shapes from r−shift.
+
+    Returns at once, so the caller can compute while the bytes move (no autograd: the
+    building block of ring attention). ``wait()`` finishes the exchange; the record (one
+    ``send`` of all the tensors' bytes) carries the time from start to the end of the wait.
+    """
+    n, me = _size(group), dist.get_rank(group)
+    if phase not in ("forward", "backward"):
+        raise ValueError(f"phase must be 'forward' or 'backward', got {phase!r}")
+    if n == 1 or shift % n == 0:
+        received = [t.clone() for t in tensors]
+        return PendingExchange([], received, lambda secs: None)
+    dst, frm = (me + shift) % n, (me - shift) % n
+    glob = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+    sends = [t.contiguous() for t in tensors]
+    received = [torch.empty_like(t) for t in sends]
+    ops = [dist.P2POp(dist.isend, t, glob(dst), group) for t in sends]
+    ops += [dist.P2POp(dist.irecv, t, glob(frm), group) for t in received]
+    works = dist.batch_isend_irecv(ops)
+    nbytes = sum(t.numel() * t.element_size() for t in sends)
+    elements = sum(t.numel() for t in sends)
+    itemsize = sends[0].element_size() if sends else 1
+    peers = tuple(nbytes if j == dst else 0 for j in range(n))
+    return PendingExchange(works, received, lambda secs: _record(
+        "send", group, elements, itemsize, nbytes, phase, label, secs, peers))
+
+
 def sendrecv(x: torch.Tensor, dst: int, src: int, recv_shape: tuple[int, ...] | None = None,
              group=None, label: str = "") -> torch.Tensor:
     """Send ``x`` to group rank ``dst`` and receive a tensor of ``recv_shape`` from ``src``.

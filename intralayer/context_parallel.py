@@ -1,0 +1,358 @@
+"""Context parallelism: attention over a sequence split across ranks (chapter 04).
+
+Each of P ranks holds ``s/P`` tokens of q, k and v, laid out ``(b, heads, s_local, d)``.
+
+- :func:`ring_attention` keeps its queries and passes the key/value blocks around a ring
+  of send/recv (Liu et al. 2023, Ring Attention): at each of P steps it attends to the
+  block it holds while the next block is already on its way, and merges the partial
+  results with the log-sum-exp rule (:func:`merge_partials`). The backward pass sends the
+  blocks round again, with their gradients travelling alongside.
+- Causal attention makes the ring unfair with ``layout="contiguous"``: rank r attends
+  to r+1 blocks, so the last rank works P times as long as the first. ``"zigzag"`` cuts
+  the sequence into 2P chunks and gives rank r chunks r and 2P−1−r, an early and a late
+  one, so every rank does the same work (Megatron-LM's ``get_batch_on_this_cp_rank``).
+- :func:`ulysses_attention` (Jacobs et al. 2023, DeepSpeed-Ulysses) trades the sequence
+  split for a head split with an all-to-all, runs ordinary attention on ``heads/P`` heads
+  over the whole sequence, and trades back.
+
+Everything runs on CPU with gloo and on GPUs with NCCL, causal or not, forward and
+backward; :func:`counting` records how many attention scores each rank computed.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from . import comm
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+# ---------------------------------------------------------------------------- layouts
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def n_chunks(P: int, layout: str) -> int:
+    """How many equal chunks the sequence is cut into: P (contiguous) or 2P (zigzag)."""
+    _check_layout(layout)
+    if not isinstance(P, numbers.Integral) or isinstance(P, bool) or P < 1:
+        raise ValueError(f"the context-parallel degree P must be a whole number ≥ 1, got {P!r}")
+    return P if layout == "contiguous" else 2 * P
+
+
+def chunk_ids(rank: int, P: int, layout: str) -> list[int]:
+    """The chunks rank ``rank`` holds, in order: ``[r]`` or ``[r, 2P−1−r]``."""
+    n_chunks(P, layout)
+    if not 0 <= rank < P:
+        raise ValueError(f"rank {rank} is not one of the P={P} ranks")
+    return [rank] if layout == "contiguous" else [rank, 2 * P - 1 - rank]
+
+
+def check_sequence(s: int, P: int, layout: str) -> None:
+    """``ValueError`` unless a sequence of ``s`` tokens cuts evenly for ``layout`` on P ranks."""
+    n = n_chunks(P, layout)
+    if s % n:
+        rule = "P" if layout == "contiguous" else "2P"
+        raise ValueError(f"sequence length {s} is not divisible by {rule} = {n} "
+                         f"(the {layout} layout cuts it into {n} equal chunks)")
+
+
+def shard_sequence(x: torch.Tensor, dim: int, group, layout: str = "contiguous") -> torch.Tensor:
+    """This rank's tokens of a sequence that every rank holds whole."""
+    P, r = dist.get_world_size(group), dist.get_rank(group)
+    dim = dim % x.dim()
+    check_sequence(x.shape[dim], P, layout)
+    chunks = x.chunk(n_chunks(P, layout), dim=dim)
+    return torch.cat([chunks[i] for i in chunk_ids(r, P, layout)], dim=dim)
+
+
+def unshard_sequence(x_local: torch.Tensor, dim: int, group, layout: str = "contiguous") -> torch.Tensor:
+    """The whole sequence, in order, on every rank (an all-gather; backward keeps this rank's part)."""
+    P = dist.get_world_size(group)
+    dim = dim % x_local.dim()
+    per_rank = len(chunk_ids(0, P, layout))
+    if x_local.shape[dim] % per_rank:
+        raise ValueError(f"a zigzag shard holds 2 equal chunks; {x_local.shape[dim]} tokens do not split in two")
+    gathered = comm.gather_from_group(x_local, dim, group, "unshard")           # rank order
+    if layout == "contiguous":
+        return gathered
+    pieces = gathered.chunk(2 * P, dim=dim)                                      # rank j: chunks j, 2P−1−j
+    where = {c: pieces[per_rank * j + slot] for j in range(P) for slot, c in enumerate(chunk_ids(j, P, layout))}
+    return torch.cat([where[c] for c in range(2 * P)], dim=dim)
+
+
+# ---------------------------------------------------------------------------- blocks
+
+def merge_partials(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor):
+    """Combine two softmax-attention results over disjoint key sets.
+
+    ``out`` is normalised over its keys and ``lse`` their log-sum-exp of scores; the
+    result is what attention over both key sets gives:
+    ``new = log(e^lse + e^block_lse)``, ``out·e^(lse−new) + block_out·e^(block_lse−new)``.
+    Rows that have seen no key yet (lse = −∞) take the other side unchanged.
+    """
+    new = torch.logaddexp(lse, block_lse)                                        # (b, h, m)
+    seen = torch.isfinite(new)
+    w_old = torch.where(seen, torch.exp(lse - new), torch.zeros_like(new))
+    w_new = torch.where(seen, torch.exp(block_lse - new), torch.zeros_like(new))
+    return w_old.unsqueeze(-1) * out + w_new.unsqueeze(-1) * block_out, new
+
+
+def _scores(q, k, scale, diagonal):
+    s = (q @ k.transpose(-2, -1)) * scale                                        # (b, h, m, n), fp32
+    if diagonal:
+        m, n = s.shape[-2:]
+        s = s.masked_fill(torch.ones(m, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def _probs(s, lse):
+    """exp(s − lse), with rows whose lse is −∞ (no key seen) set to zero."""
+    p = torch.exp(s - lse.unsqueeze(-1))
+    return torch.where(torch.isfinite(lse).unsqueeze(-1), p, torch.zeros_like(p))
+
+
+def block_attention(q, k, v, scale: float, diagonal: bool):
+    """Attention of a query block to one key/value block: (output, log-sum-exp), float32.
+
+    ``diagonal`` masks keys after queries within the block (the block on the diagonal of
+    a causal attention matrix).
+    """
+    s = _scores(q.float(), k.float(), scale, diagonal)
+    lse = torch.logsumexp(s, dim=-1)                                             # (b, h, m)
+    return _probs(s, lse) @ v.float(), lse
+
+
+def _relation(qc: int, kc: int, causal: bool) -> str | None:
+    if not causal or qc > kc:
+        return "full"
+    return "diagonal" if qc == kc else None                                     # None: every key is in the future
+
+
+def schedule(rank: int, P: int, layout: str, causal: bool) -> list[list[tuple[int, int, str]]]:
+    """For each ring step, the (local query piece, key piece, kind) pairs rank ``rank`` computes.
+
+    At step ``i`` the rank holds the key/value block of rank (r − i) mod P. A piece is one
+    of the rank's chunks (one, or two under zigzag); kind is "full" or "diagonal".
+    """
+    mine = chunk_ids(rank, P, layout)
+    steps = []
+    for i in range(P):
+        theirs = chunk_ids((rank - i) % P, P, layout)
+        steps.append([(qi, kj, kind) for qi, qc in enumerate(mine) for kj, kc in enumerate(theirs)
+                      if (kind := _relation(qc, kc, causal)) is not None])
+    return steps
+
+
+def work_per_rank(s: int, P: int, layout: str, causal: bool) -> list[int]:
+    """Attention scores each rank computes (per batch element and head) in ring attention."""
+    check_sequence(s, P, layout)
+    piece = s // n_chunks(P, layout)
+    return [piece * piece * sum(len(step) for step in schedule(r, P, layout, causal)) for r in range(P)]
+
+
+# ---------------------------------------------------------------------------- counting
+
+@dataclass
+class WorkCount:
+    """Scores computed by this rank inside ``with counting():`` (forward passes only)."""
+
+    scores: int = 0            # entries of q kᵀ computed (masked ones included)
+    blocks: int = 0            # (query piece, key piece) products computed
+    steps: list[int] = field(default_factory=list)   # scores per ring step, last call
+
+
+_counters: list[WorkCount] = []
+
+
+@contextmanager
+def counting():
+    """Count the attention scores this rank computes in :func:`ring_attention`."""
+    w = WorkCount()
+    _counters.append(w)
+    try:
+        yield w
+    finally:
+        _counters.remove(w)
+
+
+# ---------------------------------------------------------------------------- ring attention
+
+def _pieces(x: torch.Tensor, n: int) -> list[torch.Tensor]:
+    return list(x.chunk(n, dim=2))                                               # along the sequence
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, layout):
+        P, r = dist.get_world_size(group), dist.get_rank(group)
+        plan = schedule(r, P, layout, causal)
+        n = len(chunk_ids(r, P, layout))
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        b, h, sl, d = q.shape
+        out = torch.zeros(b, h, sl, d, dtype=torch.float32, device=q.device)
+        lse = torch.full((b, h, sl), float("-inf"), dtype=torch.float32, device=q.device)
+        out_p, lse_p, q_p = _pieces(out, n), list(lse.chunk(n, dim=2)), _pieces(q, n)
+        kv = [k, v]
+        per_step = []
+        for i, pairs in enumerate(plan):
+            pending = comm.ring_exchange_start(kv, 1, group, "ring k,v") if i < P - 1 else None  # overlap
+            k_p, v_p = _pieces(kv[0], n), _pieces(kv[1], n)
+            done = 0
+            for qi, kj, kind in pairs:
+                bo, bl = block_attention(q_p[qi], k_p[kj], v_p[kj], scale, kind == "diagonal")
+                merged, new = merge_partials(out_p[qi], lse_p[qi], bo, bl)
+                out_p[qi].copy_(merged)
+                lse_p[qi].copy_(new)
+                done += q_p[qi].shape[2] * k_p[kj].shape[2]
+            per_step.append(done)
+            if pending is not None:
+                kv = pending.wait()
+        for w in _counters:
+            w.scores += sum(per_step) * b * h
+            w.blocks += sum(len(pairs) for pairs in plan)
+            w.steps = [x * b * h for x in per_step]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.plan, ctx.n, ctx.scale = group, plan, n, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, plan, n, scale = ctx.group, ctx.plan, ctx.n, ctx.scale
+        P = dist.get_world_size(group)
+        dout = dout.float()
+        delta = (dout * out).sum(-1)                                             # D = rowsum(dO ⊙ O), (b, h, sl)
+        dq = torch.zeros_like(out)
+        q_p, do_p, lse_p, dl_p, dq_p = (_pieces(q.float(), n), _pieces(dout, n), list(lse.chunk(n, 2)),
+                                        list(delta.chunk(n, 2)), _pieces(dq, n))
+        kv = [k, v]
+        acc = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]  # dk, dv
+        for i, pairs in enumerate(plan):
+            pending = comm.ring_exchange_start(kv, 1, group, "ring k,v", "backward") if i < P - 1 else None
+            k_p, v_p = _pieces(kv[0].float(), n), _pieces(kv[1].float(), n)
+            dk_p, dv_p = _pieces(acc[0], n), _pieces(acc[1], n)
+            for qi, kj, kind in pairs:
+                p = _probs(_scores(q_p[qi], k_p[kj], scale, kind == "diagonal"), lse_p[qi])   # (b, h, m, n)
+                dv_p[kj] += p.transpose(-2, -1) @ do_p[qi]
+                ds = p * (do_p[qi] @ v_p[kj].transpose(-2, -1) - dl_p[qi].unsqueeze(-1))
+                dq_p[qi] += (ds @ k_p[kj]) * scale
+                dk_p[kj] += (ds.transpose(-2, -1) @ q_p[qi]) * scale
+            # The gradients of the block travel with it; after P moves they are home.
+            acc = comm.ring_exchange_start(acc, 1, group, "ring dk,dv", "backward").wait()
+            if pending is not None:
+                kv = pending.wait()
+        return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None, None
+
+
+def _check_qkv(q, k, v, who: str) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 4:
+            raise ValueError(f"{who}: {name} must be a floating-point tensor laid out (b, heads, s_local, d), "
+                             f"got {getattr(t, 'shape', type(t).__name__)}")
+    if not (q.shape == k.shape == v.shape):
+        raise ValueError(f"{who}: q, k and v must have the same shape, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
+        raise ValueError(f"{who}: q, k and v must share dtype and device")
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, causal: bool = False,
+                   layout: str = "contiguous") -> torch.Tensor:
+    """Softmax attention over the whole sequence, from this rank's shards ``(b, heads, s_local, d)``.
+
+    The shards are those of :func:`shard_sequence` with the same ``layout``; the result is
+    this rank's shard of the output. Differentiable.
+    """
+    _check_qkv(q, k, v, "ring_attention")
+    P = dist.get_world_size(group)
+    check_sequence(q.shape[2] * P, P, layout)
+    return _RingAttention.apply(q, k, v, group, bool(causal), layout)
+
+
+# ---------------------------------------------------------------------------- Ulysses
+
+def _seq_to_heads(x: torch.Tensor, group, label: str) -> torch.Tensor:
+    """(b, H, s/P, d) → (b, H/P, s, d): send head group j to rank j, receive every rank's tokens."""
+    P = dist.get_world_size(group)
+    b, H, sl, d = x.shape
+    x = x.reshape(b, P, H // P, sl, d).movedim(1, 0).contiguous()                # (P, b, H/P, s/P, d)
+    y = comm.all_to_all(x, [1] * P, [1] * P, group, label)                       # row j: rank j's tokens
+    return y.movedim(0, 2).reshape(b, H // P, P * sl, d)                         # (b, H/P, s, d)
+
+
+def _heads_to_seq(y: torch.Tensor, group, label: str) -> torch.Tensor:
+    """(b, H/P, s, d) → (b, H, s/P, d): the inverse all-to-all."""
+    P = dist.get_world_size(group)
+    b, hp, s, d = y.shape
+    y = y.reshape(b, hp, P, s // P, d).movedim(2, 0).contiguous()                # (P, b, H/P, s/P, d)
+    x = comm.all_to_all(y, [1] * P, [1] * P, group, label)                       # row j: head group j
+    return x.movedim(0, 1).reshape(b, P * hp, s // P, d)                         # (b, H, s/P, d)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, causal: bool = False) -> torch.Tensor:
+    """DeepSpeed-Ulysses: all-to-all to a head split, full attention on heads/P heads, all-to-all back.
+
+    q, k, v are this rank's contiguous shards ``(b, heads, s_local, d)``; P must divide
+    the number of heads (each rank attends with whole heads), so P ≤ heads.
+    """
+    _check_qkv(q, k, v, "ulysses_attention")
+    P, H = dist.get_world_size(group), q.shape[1]
+    if H % P:
+        raise ValueError(f"Ulysses gives each rank heads/P whole heads: {H} heads are not divisible by "
+                         f"the context-parallel degree P={P}" + (" (P > heads)" if P > H else ""))
+    qh, kh, vh = (_seq_to_heads(t, group, f"ulysses {n}") for n, t in (("q", q), ("k", k), ("v", v)))
+    o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal)              # (b, H/P, s, d)
+    return _heads_to_seq(o, group, "ulysses out")
+
+
+# ---------------------------------------------------------------------------- costs
+
+def cp_costs(s: int, b: int, heads: int, d: int, P: int, method: str, causal: bool = True,
+             layout: str = "zigzag", itemsize: int = 2) -> dict:
+    """Per rank and attention layer: bytes sent (forward + backward), scores, memory.
+
+    - Ring (this module's implementation): forward, P−1 moves of this rank's k and v
+      blocks (``block`` = b·s/P·heads·d numbers each); backward, P−1 moves of k and v and
+      P moves of their gradients, which travel in float32.
+    - Ulysses: four all-to-alls forward (q, k, v, output) and four backward, each sending
+      (P−1)/P of a (b, heads, s/P, d) tensor — 4Nh/P per rank and pass for N = b·s tokens
+      and h = heads·d (Jacobs et al. 2023).
+    - scores: attention scores the busiest rank computes, forward (the ring's schedule,
+      diagonal blocks computed whole; Ulysses' heads/P heads over s·(s+1)/2 causal pairs or
+      s² pairs); flops = 4·d·scores (q kᵀ and the weighted sum).
+    - memory: the attention tensors a rank holds at once, in blocks: ring — q, k, v, the
+      output and the k, v block arriving; Ulysses — q, k, v and the output in both layouts.
+    """
+    if method not in ("ring", "ulysses"):
+        raise ValueError(f"method must be 'ring' or 'ulysses', got {method!r}")
+    for value, what in ((s, "sequence length"), (b, "batch"), (heads, "heads"), (d, "head dimension"),
+                        (itemsize, "itemsize")):
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{what} must be a whole number ≥ 1, got {value!r}")
+    block = b * (s // P) * heads * d * itemsize                                  # one of q, k, v on a rank
+    if method == "ring":
+        check_sequence(s, P, layout)
+        forward = (P - 1) * 2 * block
+        backward = (P - 1) * 2 * block + (P * 2 * block * 4 // itemsize if P > 1 else 0)
+        scores = max(work_per_rank(s, P, layout, causal)) * b * heads
+        memory = 6 * block
+    else:
+        check_sequence(s, P, "contiguous")
+        if heads % P:
+            raise ValueError(f"Ulysses gives each rank heads/P whole heads: {heads} heads are not divisible "
+                             f"by the context-parallel degree P={P}")
+        forward = backward = 4 * (P - 1) * block / P
+        scores = b * (heads // P) * (s * (s + 1) // 2 if causal else s * s)
+        memory = 8 * block
+    return dict(forward=forward, backward=backward, sent=forward + backward, scores=scores,
+                flops=4 * d * scores, memory=memory)
