@@ -299,6 +299,13 @@ def _heads_to_seq(y: torch.Tensor, group, label: str) -> torch.Tensor:
     return x.movedim(0, 1).reshape(b, P * hp, s // P, d)                         # (b, H, s/P, d)
 
 
+def check_ulysses(heads: int, P: int) -> None:
+    """``ValueError`` unless Ulysses can give each of P ranks whole heads: P must divide the heads."""
+    if heads % P:
+        raise ValueError(f"Ulysses gives each rank heads/P whole heads: {heads} heads are not divisible by "
+                         f"the context-parallel degree P={P}" + (" (P > heads)" if P > heads else ""))
+
+
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, causal: bool = False) -> torch.Tensor:
     """DeepSpeed-Ulysses: all-to-all to a head split, full attention on heads/P heads, all-to-all back.
 
@@ -306,10 +313,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, 
     the number of heads (each rank attends with whole heads), so P ≤ heads.
     """
     _check_qkv(q, k, v, "ulysses_attention")
-    P, H = dist.get_world_size(group), q.shape[1]
-    if H % P:
-        raise ValueError(f"Ulysses gives each rank heads/P whole heads: {H} heads are not divisible by "
-                         f"the context-parallel degree P={P}" + (" (P > heads)" if P > H else ""))
+    P = dist.get_world_size(group)
+    check_ulysses(q.shape[1], P)
     qh, kh, vh = (_seq_to_heads(t, group, f"ulysses {n}") for n, t in (("q", q), ("k", k), ("v", v)))
     o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal)              # (b, H/P, s, d)
     return _heads_to_seq(o, group, "ulysses out")
@@ -348,9 +353,7 @@ def cp_costs(s: int, b: int, heads: int, d: int, P: int, method: str, causal: bo
         memory = 6 * block
     else:
         check_sequence(s, P, "contiguous")
-        if heads % P:
-            raise ValueError(f"Ulysses gives each rank heads/P whole heads: {heads} heads are not divisible "
-                             f"by the context-parallel degree P={P}")
+        check_ulysses(heads, P)
         forward = backward = 4 * (P - 1) * block / P
         scores = b * (heads // P) * (s * (s + 1) // 2 if causal else s * s)
         memory = 8 * block
