@@ -417,7 +417,8 @@ def all_gather(x: torch.Tensor, dim: int = 0, group=None, label: str = "") -> to
 
 def reduce_scatter(x: torch.Tensor, dim: int = 0, group=None, label: str = "") -> torch.Tensor:
     """Sum over the group and keep this rank's 1/n chunk along ``dim``; backward all-gathers."""
-    return _ReduceScatter.apply(x, _divisible(x, dim, group, "reduce_scatter"), group, label)
+    return _ReduceScatter.apply(x, _divisible(x, dim, group, f"reduce_scatter ({label})" if label else
+                                              "reduce_scatter"), group, label)
 
 
 def split(x: torch.Tensor, dim: int = 0, group=None, label: str = "") -> torch.Tensor:

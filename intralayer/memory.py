@@ -83,6 +83,8 @@ def activation_terms(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = Fals
     layer's input.
     """
     _check(s, b, h, a, t, sp, recompute)
+    for value, what in ((itemsize, "itemsize"), (mask_bytes, "mask_bytes"), (stats_bytes, "stats_bytes")):
+        _whole(value, what)
     units = {"sbh": s * b * h, "as2b": a * s * s * b, "sb": s * b}
     rep_div = t if sp else 1
     if recompute == "full":

@@ -1,0 +1,312 @@
+"""Mixture of experts: parameter counts of real models, routing, capacity, balance (chapter 05).
+
+- :class:`MoEConfig` with :data:`MIXTRAL_8X7B` and :data:`DEEPSEEK_V3`, and
+  :func:`count_params` → (total, active), counted tensor by tensor.
+- :func:`topk_route`: top-k selection, tokens per expert, the capacity
+  ``ceil(capacity_factor · tokens · k / experts)`` and which assignments overflow it.
+- :func:`switch_balance_loss`: the Switch Transformer's ``n · Σ f_i p_i`` (Fedus et al.
+  2021), 1 for a perfectly even router.
+- :func:`bias_update` and :func:`group_limited_topk`: DeepSeek-V3's auxiliary-loss-free
+  balancing and its group (node) limited routing.
+- :class:`MoELayer`: router + SwiGLU experts (+ optional shared expert), forward and
+  backward, with tokens sorted and grouped by expert; :meth:`MoELayer.forward_naive` is
+  the per-token loop it is checked against.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+# ---------------------------------------------------------------------------- configurations
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A decoder-only MoE transformer, as its published configuration file describes it.
+
+    ``attention`` is ``"gqa"`` (q, k, v, o projections with ``kv_heads`` key/value heads)
+    or ``"mla"`` (DeepSeek's multi-head latent attention, with its low-rank sizes).
+    Experts are SwiGLU MLPs (three matrices). The first ``dense_layers`` layers use a dense
+    SwiGLU MLP of width ``ffn`` instead of experts.
+    """
+
+    name: str
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    experts: int
+    top_k: int
+    moe_ffn: int
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    ffn: int | None = None
+    dense_layers: int = 0
+    shared_experts: int = 0
+    tied_embeddings: bool = False
+    attention: str = "gqa"
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    router_bias: bool = False           # DeepSeek-V3's per-expert selection bias
+    groups: int = 1                     # expert groups for group-limited routing
+    top_groups: int = 1
+    source: str = ""
+
+
+#: Mixtral 8x7B, from its transformers configuration (Jiang et al. 2024).
+MIXTRAL_8X7B = MoEConfig(
+    name="Mixtral 8x7B", vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128,
+    experts=8, top_k=2, moe_ffn=14336, source="transformers configuration_mixtral.py (Mistral AI)")
+
+#: DeepSeek-V3, from inference/configs/config_671B.json (DeepSeek-AI 2024).
+DEEPSEEK_V3 = MoEConfig(
+    name="DeepSeek-V3", vocab=129280, hidden=7168, layers=61, heads=128, experts=256, top_k=8,
+    moe_ffn=2048, ffn=18432, dense_layers=3, shared_experts=1, attention="mla", q_lora_rank=1536,
+    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, router_bias=True,
+    groups=8, top_groups=4, source="DeepSeek-V3 inference/configs/config_671B.json")
+
+
+def param_breakdown(c: MoEConfig) -> dict[str, tuple[int, int]]:
+    """Parameters by part of the model, as (total, active per token)."""
+    h = c.hidden
+    if c.attention == "gqa":
+        d = c.head_dim or h // c.heads
+        kv = c.kv_heads or c.heads
+        attn = h * c.heads * d + 2 * h * kv * d + c.heads * d * h                # q, k, v, o
+    elif c.attention == "mla":
+        qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+        attn = (h * c.q_lora_rank + c.q_lora_rank                                 # wq_a, q_norm
+                + c.q_lora_rank * c.heads * qk                                    # wq_b
+                + h * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank      # wkv_a, kv_norm
+                + c.kv_lora_rank * c.heads * (c.qk_nope_head_dim + c.v_head_dim)  # wkv_b
+                + c.heads * c.v_head_dim * h)                                     # wo
+    else:
+        raise ValueError(f"attention must be 'gqa' or 'mla', got {c.attention!r}")
+    expert = 3 * h * c.moe_ffn                                                    # SwiGLU: w1, w3 (h→f), w2 (f→h)
+    moe_layers = c.layers - c.dense_layers
+    router = h * c.experts + (c.experts if c.router_bias else 0)
+    parts = {
+        "embedding": (c.vocab * h, c.vocab * h),
+        "attention": (c.layers * attn, c.layers * attn),
+        "norms": (c.layers * 2 * h + h, c.layers * 2 * h + h),                    # two per layer + final
+        "dense MLPs": (c.dense_layers * 3 * h * (c.ffn or 0),) * 2,
+        "routed experts": (moe_layers * c.experts * expert, moe_layers * c.top_k * expert),
+        "shared experts": (moe_layers * c.shared_experts * expert,) * 2,
+        "routers": (moe_layers * router,) * 2,
+        "output head": (0, 0) if c.tied_embeddings else (c.vocab * h, c.vocab * h),
+    }
+    return parts
+
+
+def count_params(config: MoEConfig) -> tuple[int, int]:
+    """``(total, active)``: every parameter, and those one token's forward pass uses."""
+    parts = param_breakdown(config)
+    return sum(t for t, _ in parts.values()), sum(a for _, a in parts.values())
+
+
+# ---------------------------------------------------------------------------- routing
+
+def _whole(value, what: str, minimum: int = 1) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{what} must be a whole number ≥ {minimum}, got {value!r}")
+    return int(value)
+
+
+def capacity(tokens: int, experts: int, k: int, capacity_factor: float) -> int:
+    """Assignments one expert accepts: ``ceil(capacity_factor · tokens · k / experts)``.
+
+    Switch Transformer's tokens/experts × factor (Fedus et al. 2021), with k assignments
+    per token as Megatron-Core counts them.
+    """
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity factor must be > 0, got {capacity_factor!r}")
+    return math.ceil(capacity_factor * tokens * k / experts - 1e-9)
+
+
+@dataclass
+class Route:
+    """What the router decided for a batch of tokens."""
+
+    expert_index: torch.Tensor    # (tokens, k): chosen experts, best first
+    weights: torch.Tensor         # (tokens, k): combine weights (softmax over the chosen k)
+    kept: torch.Tensor            # (tokens, k): False where the expert was already full
+    counts: torch.Tensor          # (experts,): assignments before dropping
+    capacity: int
+    probs: torch.Tensor           # (tokens, experts): the router's softmax
+
+    @property
+    def dropped(self) -> int:
+        return int((~self.kept).sum())
+
+    @property
+    def kept_counts(self) -> torch.Tensor:
+        return torch.bincount(self.expert_index[self.kept], minlength=self.counts.numel())
+
+
+def topk_route(logits: torch.Tensor, k: int, capacity_factor: float, bias: torch.Tensor | None = None) -> Route:
+    """Top-k routing with a capacity per expert.
+
+    ``logits`` is ``(tokens, experts)``. Each token picks its ``k`` highest scores (with
+    ``bias`` added for the choice only, as in DeepSeek-V3); its combine weights are the
+    softmax of its chosen logits. Assignments beyond an expert's capacity are dropped:
+    first choices of all tokens have priority over second choices, and within a rank of
+    choice earlier tokens come first (GShard's order, Lepikhin et al. 2021).
+    """
+    logits = torch.as_tensor(logits)
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"logits must be a floating-point (tokens, experts) matrix, got shape "
+                         f"{tuple(logits.shape)} and dtype {logits.dtype}")
+    T, E = logits.shape
+    _whole(k, "k (experts per token)")
+    if k > E:
+        raise ValueError(f"k={k} experts per token is more than the {E} experts")
+    cap = capacity(T, E, k, capacity_factor)
+    choose = logits if bias is None else logits + bias
+    expert_index = choose.topk(k, dim=-1).indices                                # (T, k)
+    weights = torch.softmax(logits.gather(-1, expert_index), dim=-1)             # (T, k)
+    counts = torch.bincount(expert_index.flatten(), minlength=E)
+    # Position of each assignment in its expert's queue: choice rank first, then token order.
+    order = expert_index.T.reshape(-1)                                           # (k·T,), choice-major
+    onehot = F.one_hot(order, E)                                                 # (k·T, E)
+    position = ((onehot.cumsum(0) - 1) * onehot).sum(-1)                         # 0, 1, 2 … per expert
+    kept = (position < cap).reshape(k, T).T                                      # (T, k)
+    return Route(expert_index, weights, kept, counts, cap, torch.softmax(logits, dim=-1))
+
+
+def switch_balance_loss(logits: torch.Tensor, expert_index: torch.Tensor) -> torch.Tensor:
+    """``n · Σ_i f_i · p_i`` (Fedus et al. 2021): f_i the fraction of assignments routed to
+    expert i, p_i the router's mean probability for it. 1 when both are uniform; it
+    grows as the router concentrates. Differentiable in ``logits`` (through p only: f
+    comes from a discrete choice).
+    """
+    logits = torch.as_tensor(logits)
+    E = logits.shape[-1]
+    f = torch.bincount(torch.as_tensor(expert_index).flatten(), minlength=E).to(logits.dtype)
+    f = f / f.sum()
+    p = torch.softmax(logits, dim=-1).mean(0)
+    return E * (f * p).sum()
+
+
+def bias_update(bias: torch.Tensor, counts: torch.Tensor, gamma: float = 1e-3) -> torch.Tensor:
+    """DeepSeek-V3's auxiliary-loss-free balancing: lower an overloaded expert's bias by γ,
+    raise an underloaded one's by γ (load compared with the mean)."""
+    counts = torch.as_tensor(counts, dtype=torch.float32)
+    return bias - gamma * torch.sign(counts - counts.mean()).to(bias.dtype)
+
+
+def group_limited_topk(scores: torch.Tensor, k: int, groups: int, top_groups: int,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """DeepSeek-V3's group-limited choice: experts are split into ``groups`` equal groups
+    (one per node, say); each token keeps the ``top_groups`` groups whose two best
+    (biased) scores add up highest, then takes its top-k experts within them.
+    Returns the (tokens, k) expert indices.
+    """
+    T, E = scores.shape
+    _whole(groups, "groups")
+    if E % groups:
+        raise ValueError(f"{E} experts do not split into {groups} equal groups")
+    if not 1 <= top_groups <= groups:
+        raise ValueError(f"top_groups={top_groups} must lie between 1 and groups={groups}")
+    if k > top_groups * (E // groups):
+        raise ValueError(f"k={k} experts cannot come from {top_groups} groups of {E // groups}")
+    choose = scores if bias is None else scores + bias
+    per_group = choose.view(T, groups, E // groups)                              # (T, G, E/G)
+    group_score = per_group.topk(min(2, E // groups), dim=-1).values.sum(-1)     # (T, G)
+    keep = group_score.topk(top_groups, dim=-1).indices                          # (T, top_groups)
+    mask = torch.zeros(T, groups, dtype=torch.bool, device=scores.device).scatter_(1, keep, True)
+    masked = choose.masked_fill(~mask.repeat_interleave(E // groups, dim=1), float("-inf"))
+    return masked.topk(k, dim=-1).indices
+
+
+# ---------------------------------------------------------------------------- the layer
+
+class MoELayer(nn.Module):
+    """Router, ``experts`` SwiGLU experts and an optional shared expert; tokens ``(T, h)``.
+
+    ``forward`` sorts the kept assignments by expert and runs each expert once on its
+    contiguous batch of tokens; ``forward_naive`` loops over tokens and their k experts.
+    Both return ``(output, route)``; dropped assignments contribute nothing (the token
+    keeps only what the residual connection around the layer carries).
+    """
+
+    def __init__(self, hidden: int, ffn: int, experts: int, k: int, capacity_factor: float = 1.25,
+                 shared: bool = False):
+        super().__init__()
+        _whole(hidden, "hidden size")
+        _whole(ffn, "expert width")
+        _whole(experts, "number of experts")
+        if not 1 <= _whole(k, "k") <= experts:
+            raise ValueError(f"k={k} must lie between 1 and the {experts} experts")
+        self.hidden, self.ffn, self.k, self.capacity_factor = hidden, ffn, k, capacity_factor
+        self.router = nn.Linear(hidden, experts, bias=False)
+        scale = 1 / math.sqrt(hidden)
+        self.w1 = nn.Parameter(torch.randn(experts, ffn, hidden) * scale)       # gate projection
+        self.w3 = nn.Parameter(torch.randn(experts, ffn, hidden) * scale)       # up projection
+        self.w2 = nn.Parameter(torch.randn(experts, hidden, ffn) / math.sqrt(ffn))   # down projection
+        self.shared = None
+        if shared:
+            self.shared = nn.ModuleDict(dict(w1=nn.Linear(hidden, ffn, bias=False),
+                                             w3=nn.Linear(hidden, ffn, bias=False),
+                                             w2=nn.Linear(ffn, hidden, bias=False)))
+
+    @property
+    def experts(self) -> int:
+        return self.w1.shape[0]
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on tokens x (n, h): w2 · (silu(w1 x) ⊙ w3 x)."""
+        return (F.silu(x @ self.w1[e].T) * (x @ self.w3[e].T)) @ self.w2[e].T   # (n, h)
+
+    def _shared(self, x):
+        s = self.shared
+        return s["w2"](F.silu(s["w1"](x)) * s["w3"](x))
+
+    def _check(self, x):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 2 or x.shape[1] != self.hidden:
+            raise ValueError(f"MoELayer expects tokens as a floating-point (T, {self.hidden}) tensor, got "
+                             f"{getattr(x, 'shape', type(x).__name__)}")
+
+    def route(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> Route:
+        return topk_route(self.router(x), self.k, self.capacity_factor, bias)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None):
+        self._check(x)
+        r = self.route(x, bias)
+        T = x.shape[0]
+        token = torch.arange(T, device=x.device).unsqueeze(1).expand(T, self.k)[r.kept]   # (A,)
+        expert = r.expert_index[r.kept]                                                   # (A,)
+        weight = r.weights[r.kept]                                                        # (A,)
+        order = torch.argsort(expert, stable=True)                                        # group by expert
+        token, expert, weight = token[order], expert[order], weight[order]
+        sizes = torch.bincount(expert, minlength=self.experts).tolist()
+        out = torch.zeros_like(x)
+        for e, (tok, w) in enumerate(zip(token.split(sizes), weight.split(sizes))):
+            if len(tok):
+                out = out.index_add(0, tok, self.expert(e, x[tok]) * w.unsqueeze(1))
+        if self.shared is not None:
+            out = out + self._shared(x)
+        return out, r
+
+    def forward_naive(self, x: torch.Tensor, bias: torch.Tensor | None = None):
+        """The reference: each token, each of its kept experts, one at a time."""
+        self._check(x)
+        r = self.route(x, bias)
+        rows = []
+        for t in range(x.shape[0]):
+            y = torch.zeros_like(x[t])
+            for j in range(self.k):
+                if r.kept[t, j]:
+                    y = y + r.weights[t, j] * self.expert(int(r.expert_index[t, j]), x[t:t + 1])[0]
+            rows.append(y)
+        out = torch.stack(rows)
+        if self.shared is not None:
+            out = out + self._shared(x)
+        return out, r
