@@ -1,0 +1,365 @@
+"""Check intralayer.context_parallel on real ranks against attention on the whole sequence.
+
+Every rank builds the same q, k, v (and upstream gradient) for the whole sequence, runs
+``scaled_dot_product_attention`` on it as the reference, then runs ring attention (both
+layouts) and Ulysses on its own shards and compares its output shard and the gradients
+of its q, k, v shards with the matching shards of the reference — for several shapes,
+causal and not, in float32, float64 and bfloat16, and with scores of order 1e4. It also
+checks ``shard_sequence`` / ``unshard_sequence`` (round trip and backward), the scores
+each rank computes (``counting`` against ``work_per_rank``), the bytes each rank sends
+(``comm.accounting`` against ``cp_costs``), and that bad input raises a ``ValueError``
+that names the rule, before any rank communicates.
+
+Any mismatch raises, so the rank, and the launch, fail; when every check passed on
+every rank, rank 0 prints ``MARKER`` followed by the number of ranks.
+
+``python -m tests.programs.cp_checks float64-ring`` runs only the check of ring
+attention at float64 tolerances (a known bug: ring attention computes in float32
+whatever the input dtype; see tests/test_context_parallel.py).
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from intralayer import comm, distributed
+from intralayer import context_parallel as cp
+
+MARKER = "CP CHECKS PASSED on ranks:"
+FLOAT64_RING_MARKER = "CP FLOAT64 RING PASSED on ranks:"
+METHODS = ("ring contiguous", "ring zigzag", "ulysses")
+
+
+# ---------------------------------------------------------------------------- helpers
+
+def expect(cond, what):
+    if not cond:
+        raise AssertionError(what)
+
+
+def close(got, want, what, **tol):
+    """``assert_close``: the dtype's default tolerances unless ``rtol``/``atol`` are given."""
+    assert_close(got, want, msg=lambda m: f"{what}: {m}", **tol)
+
+
+def raises(fn, *words, what):
+    """``fn()`` must raise ValueError whose message contains every one of ``words``."""
+    try:
+        fn()
+    except ValueError as e:
+        message = str(e)
+        for word in words:
+            expect(word in message, f"{what}: the message {message!r} does not mention {word!r}")
+        return message
+    raise AssertionError(f"{what}: no ValueError was raised")
+
+
+def randn(*shape, seed: int, dtype=torch.float32) -> torch.Tensor:
+    """The same tensor on every rank (drawn in float64, then cast)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def layout_of(method: str) -> str:
+    return "zigzag" if method == "ring zigzag" else "contiguous"
+
+
+def run_method(method, q, k, v, group, causal):
+    if method == "ulysses":
+        return cp.ulysses_attention(q, k, v, group, causal)
+    return cp.ring_attention(q, k, v, group, causal, layout=layout_of(method))
+
+
+def methods_for(heads: int, P: int):
+    return [m for m in METHODS if m != "ulysses" or heads % P == 0]
+
+
+def reference(q, k, v, dout, causal, dtype):
+    """SDPA on the whole sequence in ``dtype``: output and the gradients of q, k, v."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+    out.backward(dout.to(dtype))
+    return {"out": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+
+
+def parallel(method, q, k, v, dout, group, causal, transposed=False):
+    """This rank's output shard and q, k, v shard gradients, with the counts and records."""
+    lay = layout_of(method)
+    if transposed:   # shards that are non-contiguous views: (b, s_local, heads, d) seen as (b, heads, s_local, d)
+        mine = [cp.shard_sequence(t, 2, group, lay).transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+                for t in (q, k, v)]
+        expect(not mine[0].is_contiguous(), "transposed shards should not be contiguous")
+    else:
+        mine = [cp.shard_sequence(t, 2, group, lay).requires_grad_() for t in (q, k, v)]
+    with comm.accounting() as acc, cp.counting() as work:
+        out = run_method(method, *mine, group, causal)
+        fwd = acc.sent(phase="forward")
+        out.backward(cp.shard_sequence(dout, 2, group, lay))
+    got = {"out": out.detach(), "dq": mine[0].grad, "dk": mine[1].grad, "dv": mine[2].grad}
+    return got, work, acc, fwd
+
+
+def compare(got, ref, method, group, what, **tol):
+    """Shards of ``got`` against those of ``ref``: with no ``tol``, at the default tolerances of
+    ``got``'s dtype (a float64 reference is rounded to it); else at ``tol``, in ``ref``'s dtype."""
+    lay = layout_of(method)
+    for key in ("out", "dq", "dk", "dv"):
+        want = cp.shard_sequence(ref[key], 2, group, lay)
+        expect(got[key] is not None and got[key].shape == want.shape,
+               f"{what} {key}: shape {None if got[key] is None else tuple(got[key].shape)}, want {tuple(want.shape)}")
+        expect(bool(torch.isfinite(got[key]).all()), f"{what} {key}: not finite")
+        if tol:
+            close(got[key].to(want.dtype), want, f"{what} {key}", **tol)
+        else:
+            close(got[key], want.to(got[key].dtype), f"{what} {key}")
+
+
+def check_costs(method, work, acc, fwd, s, b, heads, d, P, r, causal, itemsize, what):
+    """Bytes sent against cp_costs; for the ring, scores computed against work_per_rank."""
+    lay = layout_of(method)
+    costs = cp.cp_costs(s, b, heads, d, P, "ulysses" if method == "ulysses" else "ring", causal, lay,
+                        itemsize=itemsize)
+    expect(fwd == costs["forward"], f"{what}: sent {fwd} bytes forward, cp_costs says {costs['forward']}")
+    bwd = acc.sent(phase="backward")
+    expect(bwd == costs["backward"], f"{what}: sent {bwd} bytes backward, cp_costs says {costs['backward']}")
+    expect(acc.sent() == costs["sent"], f"{what}: sent {acc.sent()} bytes in all, cp_costs says {costs['sent']}")
+    if method == "ulysses":
+        expect(acc.count("all_to_all", "forward") == 4 and acc.count("all_to_all", "backward") == 4,
+               f"{what}: want 4 all-to-alls each way: {acc.table()}")
+        expect(work.scores == 0, f"{what}: Ulysses counted {work.scores} ring scores")
+        return
+    expect(acc.count("send", "forward") == P - 1, f"{what}: {acc.count('send', 'forward')} forward sends")
+    expect(acc.count("send", "backward") == (2 * P - 1 if P > 1 else 0),
+           f"{what}: {acc.count('send', 'backward')} backward sends")
+    want = cp.work_per_rank(s, P, lay, causal)[r] * b * heads
+    expect(work.scores == want, f"{what}: counted {work.scores} scores, work_per_rank says {want}")
+    expect(sum(work.steps) == work.scores and len(work.steps) == P, f"{what}: steps {work.steps}")
+    plan = cp.schedule(r, P, lay, causal)
+    expect(work.blocks == sum(len(step) for step in plan), f"{what}: {work.blocks} blocks")
+    piece = s // cp.n_chunks(P, lay)
+    expect(work.steps == [len(step) * piece * piece * b * heads for step in plan],
+           f"{what}: steps {work.steps} against the schedule")
+
+
+# ---------------------------------------------------------------------------- attention
+
+def shapes(P):
+    """(b, heads, s_local, d): Ulysses runs where P divides heads."""
+    return [
+        (2, 4, 4, 8),       # Ulysses on 2 and 4 ranks
+        (1, 3, 2, 1),       # b = 1, odd heads (no Ulysses), s_local = 2 (zigzag pieces of 1), d = 1
+        (2, 4, 2, 3),       # s_local = 2, d = 3
+        (1, 2 * P, 6, 4),   # several heads per rank under Ulysses, zigzag pieces of 3
+    ]
+
+
+def check_float32(P, r, group):
+    for i, (b, heads, sl, d) in enumerate(shapes(P)):
+        s = sl * P
+        q, k, v, dout = (randn(b, heads, s, d, seed=100 * i + j) for j in range(4))
+        for causal in (False, True):
+            ref = reference(q, k, v, dout, causal, torch.float32)
+            for method in methods_for(heads, P):
+                what = f"float32 {method} causal={causal} (b, heads, s_local, d)={(b, heads, sl, d)}"
+                got, work, acc, fwd = parallel(method, q, k, v, dout, group, causal)
+                expect(got["out"].dtype == torch.float32, f"{what}: output dtype {got['out'].dtype}")
+                compare(got, ref, method, group, what)                      # float32 defaults
+                whole = cp.unshard_sequence(got["out"], 2, group, layout_of(method))
+                close(whole, ref["out"], f"{what}: unsharded output")
+                check_costs(method, work, acc, fwd, s, b, heads, d, P, r, causal, 4, what)
+    # Non-contiguous shards (a (b, s, heads, d) tensor seen through a transpose).
+    b, heads, sl, d = shapes(P)[0]
+    q, k, v, dout = (randn(b, heads, sl * P, d, seed=200 + j) for j in range(4))
+    ref = reference(q, k, v, dout, True, torch.float32)
+    for method in methods_for(heads, P):
+        got, *_ = parallel(method, q, k, v, dout, group, True, transposed=True)
+        compare(got, ref, method, group, f"float32 {method} causal, non-contiguous shards")
+
+
+def check_float64(P, r, group, ring_at_float64_tolerance=False):
+    """float64 in, float64 out. Ulysses (SDPA in float64) meets float64's default tolerances
+    (rtol 1e-7, atol 1e-7). Ring attention computes in float32 whatever the input (known bug),
+    so here it is held to float32's defaults unless ``ring_at_float64_tolerance``."""
+    for i, (b, heads, sl, d) in enumerate(shapes(P)[::3]):     # the first and the last shape
+        s = sl * P
+        q, k, v, dout = (randn(b, heads, s, d, seed=300 + 10 * i + j, dtype=torch.float64) for j in range(4))
+        for causal in (False, True):
+            ref = reference(q, k, v, dout, causal, torch.float64)
+            for method in methods_for(heads, P):
+                if ring_at_float64_tolerance and method == "ulysses":
+                    continue
+                what = f"float64 {method} causal={causal} (b, heads, s_local, d)={(b, heads, sl, d)}"
+                got, work, acc, fwd = parallel(method, q, k, v, dout, group, causal)
+                for key, t in got.items():
+                    expect(t.dtype == torch.float64, f"{what}: {key} dtype {t.dtype}")
+                if method == "ulysses" or ring_at_float64_tolerance:
+                    compare(got, ref, method, group, what)                  # float64 defaults
+                else:
+                    compare(got, ref, method, group, what, rtol=1.3e-6, atol=1e-5)
+                if not ring_at_float64_tolerance:
+                    check_costs(method, work, acc, fwd, s, b, heads, d, P, r, causal, 8, what)
+
+
+def check_bfloat16(P, r, group):
+    """bf16 in, bf16 out, against float32 SDPA on the same (bf16-rounded) inputs.
+
+    Tolerances rtol = atol = 2e-2: about five units of bfloat16's epsilon 2^-8 ≈ 3.9e-3,
+    for values of order 1. The bf16 output and gradients are each rounded once (half an
+    epsilon); Ulysses also runs SDPA's arithmetic in bfloat16, and its errors, measured at
+    up to about 1e-2 on these shapes, set the bound. (assert_close's bf16 default atol of
+    1e-5 is meaningless for entries near zero.)
+    """
+    for i, (b, heads, sl, d) in enumerate(shapes(P)[::3]):
+        s = sl * P
+        q, k, v, dout = (randn(b, heads, s, d, seed=400 + 10 * i + j, dtype=torch.bfloat16) for j in range(4))
+        for causal in (False, True):
+            ref = reference(q, k, v, dout, causal, torch.float32)
+            for method in methods_for(heads, P):
+                what = f"bfloat16 {method} causal={causal} (b, heads, s_local, d)={(b, heads, sl, d)}"
+                got, work, acc, fwd = parallel(method, q, k, v, dout, group, causal)
+                for key, t in got.items():
+                    expect(t.dtype == torch.bfloat16, f"{what}: {key} dtype {t.dtype}")
+                compare(got, ref, method, group, what, rtol=2e-2, atol=2e-2)
+                check_costs(method, work, acc, fwd, s, b, heads, d, P, r, causal, 2, what)
+
+
+def check_large_scores(P, r, group):
+    """Scores of order 1e4: no overflow, and the same result as float64 SDPA.
+
+    (a) q and k scaled up (as the chapter does): every softmax row is all but one-hot.
+        Ring attention must match float64 SDPA to float32's default tolerances; Ulysses,
+        which runs float32 SDPA itself, must match float32 SDPA (float32 SDPA's dq is up to
+        ~2e-5 off float64 here, over float32's atol of 1e-5).
+    (b) Every score offset by about 1e4 with spreads of order 1, so no row saturates. A
+        float32 score of 1e4 carries a rounding error of up to 2^-11 ≈ 5e-4 (float32 SDPA
+        itself is ~5e-4 off float64 here), so the output and dv are held to 5e-3 against
+        float64 SDPA, and dq, dk (whose exact values cancel a term of order
+        |k|·|score rounding|) only to being finite.
+    """
+    b, heads, sl, d = 1, 2, 4, 4
+    s = sl * P
+    q, k, v, dout = (randn(b, heads, s, d, seed=500 + j) for j in range(4))
+    saturated = (q * 70, k * 70)
+    qo, ko = q.clone(), k.clone()
+    qo[..., 0] = ko[..., 0] = (2 * 1e4) ** 0.5                      # score offset a²/√d = 1e4
+    for case, (qq, kk) in (("saturated", saturated), ("offset", (qo, ko))):
+        top = float((qq.double() @ kk.double().transpose(-2, -1) / d ** 0.5).abs().max())
+        expect(5e3 <= top <= 5e4, f"large scores {case}: largest score {top:.0f} is not of order 1e4")
+        for causal in (False, True):
+            ref = reference(qq, kk, v, dout, causal, torch.float64)
+            ref32 = reference(qq, kk, v, dout, causal, torch.float32)
+            for method in methods_for(heads, P):
+                what = f"scores ~1e4 ({case}) {method} causal={causal}"
+                got, *_ = parallel(method, qq, kk, v, dout, group, causal)
+                for key, t in got.items():
+                    expect(bool(torch.isfinite(t).all()), f"{what}: {key} not finite")
+                if case == "saturated":
+                    compare(got, ref32 if method == "ulysses" else ref, method, group, what)   # float32 defaults
+                else:
+                    lay = layout_of(method)
+                    for key in ("out", "dv"):
+                        close(got[key].double(), cp.shard_sequence(ref[key], 2, group, lay), f"{what} {key}",
+                              rtol=5e-3, atol=5e-3)
+
+
+# ---------------------------------------------------------------------------- shard / unshard
+
+def check_shard_unshard(P, r, group):
+    n = 2 * P
+    x = randn(n, 2 * n, n + n, n, seed=600)       # every dimension divisible by 2P
+    for layout in cp.LAYOUTS:
+        for dim in (0, 1, 2, -1):
+            what = f"shard/unshard {layout} dim={dim}"
+            mine = cp.shard_sequence(x, dim, group, layout)
+            chunks = x.chunk(cp.n_chunks(P, layout), dim=dim)
+            want = torch.cat([chunks[c] for c in cp.chunk_ids(r, P, layout)], dim=dim)
+            expect(torch.equal(mine, want), f"{what}: this rank's shard is not chunks {cp.chunk_ids(r, P, layout)}")
+            expect(mine.shape[dim % x.dim()] == x.shape[dim] // P, f"{what}: shard shape {tuple(mine.shape)}")
+            expect(torch.equal(cp.unshard_sequence(mine, dim, group, layout), x), f"{what}: round trip")
+
+            # Backward: the same loss on every rank from the unsharded tensor; each rank
+            # gets the gradient of its own shard (not P times it, not another rank's).
+            leaf = mine.clone().requires_grad_()
+            w = randn(*x.shape, seed=601)
+            whole = cp.unshard_sequence(leaf, dim, group, layout)
+            (whole * w).sum().backward()
+            expect(torch.equal(leaf.grad, cp.shard_sequence(w, dim, group, layout)), f"{what}: backward")
+            # Second-order use: a loss that is not linear in the tensor.
+            leaf = mine.clone().requires_grad_()
+            full = x.clone().requires_grad_()
+            (cp.unshard_sequence(leaf, dim, group, layout) ** 2 * w).sum().backward()
+            (full ** 2 * w).sum().backward()
+            close(leaf.grad, cp.shard_sequence(full.grad, dim, group, layout), f"{what}: backward of a square")
+
+
+# ---------------------------------------------------------------------------- bad input
+
+def check_bad_input(P, r, group):
+    q = randn(1, 4 * P, 2, 4, seed=700)
+    odd = randn(1, 2 * P, 3, 4, seed=701)                      # s = 3P: not divisible by 2P
+    for fn, what in ((lambda: cp.ring_attention(odd, odd, odd, group, True, "zigzag"), "ring zigzag, s = 3P"),
+                     (lambda: cp.shard_sequence(randn(1, 2, 3 * P, 4, seed=702), 2, group, "zigzag"),
+                      "shard zigzag, s = 3P")):
+        raises(fn, f"sequence length {3 * P} is not divisible by 2P = {2 * P}", "zigzag", what=what)
+    raises(lambda: cp.shard_sequence(randn(1, 2, P + 1, 4, seed=703), 2, group, "contiguous"),
+           f"sequence length {P + 1} is not divisible by P = {P}", what="shard contiguous, s = P + 1")
+    raises(lambda: cp.unshard_sequence(odd, 2, group, "zigzag"), "zigzag", "3 tokens do not split in two",
+           what="unshard zigzag, odd shard")
+
+    three = randn(1, 3, 2, 4, seed=704)
+    raises(lambda: cp.ulysses_attention(three, three, three, group), "Ulysses",
+           f"3 heads are not divisible by the context-parallel degree P={P}", what="Ulysses, 3 heads")
+    if P > 2:
+        two = randn(1, 2, 2, 4, seed=705)
+        raises(lambda: cp.ulysses_attention(two, two, two, group, True), "2 heads are not divisible",
+               "(P > heads)", what="Ulysses, fewer heads than ranks")
+
+    short = randn(1, 4 * P, 1, 4, seed=706)
+    for name, fn in (("ring", lambda a, b_, c: cp.ring_attention(a, b_, c, group)),
+                     ("ring zigzag", lambda a, b_, c: cp.ring_attention(a, b_, c, group, True, "zigzag")),
+                     ("ulysses", lambda a, b_, c: cp.ulysses_attention(a, b_, c, group))):
+        who = "ulysses_attention" if name == "ulysses" else "ring_attention"
+        raises(lambda: fn(q, short, q), who, "same shape", what=f"{name}: k shorter than q")
+        raises(lambda: fn(q, q, q[..., :2]), who, "same shape", what=f"{name}: v narrower")
+        raises(lambda: fn(q, q, q.transpose(1, 2)), who, "same shape", what=f"{name}: v transposed")
+        ints = torch.ones(1, 4 * P, 2, 4, dtype=torch.int64)
+        raises(lambda: fn(ints, ints, ints), who, "floating-point", what=f"{name}: integer q, k, v")
+        raises(lambda: fn(q, ints, q), who, "k must be a floating-point", what=f"{name}: integer k")
+        raises(lambda: fn(q[0], q[0], q[0]), who, "(b, heads, s_local, d)", str(q[0].shape), what=f"{name}: 3-D")
+        raises(lambda: fn(q[None], q[None], q[None]), who, "(b, heads, s_local, d)", what=f"{name}: 5-D")
+        raises(lambda: fn(q, q.double(), q), who, "share dtype", what=f"{name}: float32 q, float64 k")
+    raises(lambda: cp.ring_attention(q, q, q, group, layout="striped"), "layout must be one of",
+           what="ring: unknown layout")
+    raises(lambda: cp.shard_sequence(q, 2, group, "striped"), "layout must be one of", what="shard: unknown layout")
+    raises(lambda: cp.unshard_sequence(q, 2, group, "striped"), "layout must be one of",
+           what="unshard: unknown layout")
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    with distributed.setup() as d:
+        P, r, group = d.world_size, d.rank, d.group
+        if argv == ["float64-ring"]:
+            check_float64(P, r, group, ring_at_float64_tolerance=True)
+            marker = FLOAT64_RING_MARKER
+        elif not argv:
+            check_bad_input(P, r, group)          # first: each must raise before any rank communicates
+            check_float32(P, r, group)
+            check_float64(P, r, group)
+            check_bfloat16(P, r, group)
+            check_large_scores(P, r, group)
+            check_shard_unshard(P, r, group)
+            marker = MARKER
+        else:
+            raise SystemExit(f"unknown arguments {argv}; expected none or 'float64-ring'")
+        dist.barrier()
+        if d.is_main:
+            print(f"{marker} {P}")
+
+
+if __name__ == "__main__":
+    main()

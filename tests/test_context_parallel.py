@@ -1,0 +1,439 @@
+"""Tests of intralayer.context_parallel.
+
+(a) Ring attention (both layouts) and Ulysses against SDPA on the whole sequence, forward
+    and backward, float32 / float64 / bfloat16, shard/unshard, counted scores and bytes
+    sent, bad input: on 2 and 4 ranks (tests/programs/cp_checks.py).
+(b) merge_partials and block_attention on one process, against attention written out.
+(c) The ring's schedule: who computes what, and how much (work_per_rank).
+(d) Layout helpers: n_chunks, chunk_ids, check_sequence, and shard_sequence with a
+    stand-in for the process group.
+(e) cp_costs against the formulas of its docstring, and its errors.
+
+Known bugs are marked ``xfail(strict=True)``: each such test passes once the bug is fixed,
+and then fails until the mark is removed.
+"""
+from __future__ import annotations
+
+import math
+import re
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from intralayer import context_parallel as cp
+from intralayer import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the programs' package, whatever directory pytest runs from
+    sys.path.insert(0, str(ROOT))
+from tests.programs import cp_checks  # noqa: E402
+ENV = {"PYTHONPATH": str(ROOT)}
+
+
+# ------------------------------------------------------------------ (a) on real ranks
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_ring_and_ulysses_match_sdpa_on_real_ranks(nproc):
+    result = launch.run("tests.programs.cp_checks", nproc, env=ENV, timeout=120, show=False)
+    assert f"{cp_checks.MARKER} {nproc}" in result.output
+    assert all("Traceback" not in text for text in result.stderr.values())
+
+
+@pytest.mark.xfail(strict=True, raises=launch.LaunchError, reason=(
+    "ring_attention computes in float32 whatever the input dtype (context_parallel.py: "
+    "_RingAttention.forward allocates out/lse as float32, block_attention calls .float(), backward "
+    "casts q, k, v, dout to float32): float64 inputs come back with float32 accuracy (~4e-7 off "
+    "float64 SDPA), outside float64's default tolerances"))
+def test_ring_attention_keeps_float64_precision():
+    result = launch.run("tests.programs.cp_checks", 2, args=["float64-ring"], env=ENV, timeout=60, show=False)
+    assert f"{cp_checks.FLOAT64_RING_MARKER} 2" in result.output
+
+
+# ------------------------------------------------------------------ (b) blocks, one process
+
+def attention_with_lse(scores: np.ndarray, v: np.ndarray):
+    """Softmax attention written out in float64 from the scores: (output, log-sum-exp) per row.
+
+    Rows with no finite score give output 0 and log-sum-exp −∞.
+    """
+    scores = scores.astype(np.float64)
+    m = scores.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(scores - m)
+    total = e.sum(-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(total > 0, (e @ v.astype(np.float64)) / np.where(total > 0, total, 1), 0.0)
+        lse = np.where(total[..., 0] > 0, np.log(total[..., 0]) + m[..., 0], -np.inf)
+    return out, lse
+
+
+def partial(scores: np.ndarray, v: np.ndarray, dtype=torch.float64):
+    out, lse = attention_with_lse(scores, v)
+    return torch.tensor(out, dtype=dtype), torch.tensor(lse, dtype=dtype)
+
+
+def split_keys(seed, b=2, h=3, m=5, n=7, d=4, scale=1.0):
+    rng = np.random.default_rng(seed)
+    scores = rng.standard_normal((b, h, m, n)) * scale
+    v = rng.standard_normal((b, h, n, d))
+    return scores, v
+
+
+@pytest.mark.parametrize("cut", [1, 3, 6])
+def test_merge_partials_equals_attention_over_the_union_of_keys(cut):
+    scores, v = split_keys(cut)
+    o1, l1 = partial(scores[..., :cut], v[..., :cut, :])
+    o2, l2 = partial(scores[..., cut:], v[..., cut:, :])
+    want_o, want_l = attention_with_lse(scores, v)
+    for a, b in (((o1, l1), (o2, l2)), ((o2, l2), (o1, l1))):     # in either order
+        out, lse = cp.merge_partials(*a, *b)
+        torch.testing.assert_close(out, torch.tensor(want_o))
+        torch.testing.assert_close(lse, torch.tensor(want_l))
+
+
+def test_merge_partials_one_block_at_a_time_from_nothing():
+    """Starting from (0, −∞) and merging the key blocks one by one, as the ring does."""
+    scores, v = split_keys(7, n=12)
+    out = torch.zeros(2, 3, 5, 4, dtype=torch.float64)
+    lse = torch.full((2, 3, 5), float("-inf"), dtype=torch.float64)
+    for cols in np.array_split(np.arange(12), 4):
+        out, lse = cp.merge_partials(out, lse, *partial(scores[..., cols], v[..., cols, :]))
+    want_o, want_l = attention_with_lse(scores, v)
+    torch.testing.assert_close(out, torch.tensor(want_o))
+    torch.testing.assert_close(lse, torch.tensor(want_l))
+
+
+def test_merge_partials_rows_with_no_key_in_a_block():
+    scores, v = split_keys(2, b=1, h=1, m=4, n=6)
+    scores[0, 0, 0, :3] = -np.inf          # row 0: no key in block 1
+    scores[0, 0, 1, 3:] = -np.inf          # row 1: no key in block 2
+    scores[0, 0, 2, :] = -np.inf           # row 2: no key in either
+    o1, l1 = partial(scores[..., :3], v[..., :3, :])
+    o2, l2 = partial(scores[..., 3:], v[..., 3:, :])
+    assert l1[0, 0, 0] == -math.inf and l2[0, 0, 1] == -math.inf
+    for a, b in (((o1, l1), (o2, l2)), ((o2, l2), (o1, l1))):
+        out, lse = cp.merge_partials(*a, *b)
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+        torch.testing.assert_close(out[0, 0, 0], o2[0, 0, 0])       # the other side unchanged
+        torch.testing.assert_close(out[0, 0, 1], o1[0, 0, 1])
+        torch.testing.assert_close(out[0, 0, 2], torch.zeros(4, dtype=torch.float64))
+        assert lse[0, 0, 2] == -math.inf
+        want_o, want_l = attention_with_lse(scores, v)
+        torch.testing.assert_close(out, torch.tensor(want_o))
+        torch.testing.assert_close(lse, torch.tensor(want_l))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_merge_partials_with_scores_of_order_1e4(dtype):
+    """No overflow, however large the scores: every exponent is ≤ 0."""
+    scores, v = split_keys(3, scale=1.0)
+    scores = scores + 1e4                                           # all scores near 1e4, none saturating
+    o1, l1 = partial(scores[..., :3], v[..., :3, :], dtype)
+    o2, l2 = partial(scores[..., 3:], v[..., 3:, :], dtype)
+    out, lse = cp.merge_partials(o1, l1, o2, l2)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    want_o, want_l = attention_with_lse(scores, v)
+    # float32: a log-sum-exp near 1e4 is stored to within 2^-11 ≈ 5e-4, which perturbs the
+    # two weights e^(ℓ_i − ℓ) by as much; float64: the default tolerances.
+    tol = dict(rtol=2e-3, atol=2e-3) if dtype == torch.float32 else {}
+    torch.testing.assert_close(out, torch.tensor(want_o, dtype=dtype), **tol)
+    torch.testing.assert_close(lse, torch.tensor(want_l, dtype=dtype), **tol)
+    # and with scores of order ±1e4 (rows dominated by one key)
+    big, v = split_keys(4, scale=1e4)
+    o1, l1 = partial(big[..., :3], v[..., :3, :], dtype)
+    o2, l2 = partial(big[..., 3:], v[..., 3:, :], dtype)
+    out, lse = cp.merge_partials(o1, l1, o2, l2)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    want_o, want_l = attention_with_lse(big, v)
+    torch.testing.assert_close(out, torch.tensor(want_o, dtype=dtype))
+    torch.testing.assert_close(lse, torch.tensor(want_l, dtype=dtype))
+
+
+def masked_attention(q, k, v, scale, diagonal):
+    s = (q.double() @ k.double().transpose(-2, -1)) * scale
+    if diagonal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ v.double(), torch.logsumexp(s, -1)
+
+
+@pytest.mark.parametrize("diagonal", [True, False])
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_block_attention_equals_masked_softmax(diagonal, m):
+    g = torch.Generator().manual_seed(m)
+    q, k, v = (torch.randn(2, 3, m, 4, generator=g) for _ in range(3))
+    out, lse = cp.block_attention(q, k, v, 0.5, diagonal)
+    assert out.dtype == lse.dtype == torch.float32
+    assert out.shape == (2, 3, m, 4) and lse.shape == (2, 3, m)
+    want_o, want_l = masked_attention(q, k, v, 0.5, diagonal)
+    torch.testing.assert_close(out, want_o.float())
+    torch.testing.assert_close(lse, want_l.float())
+    if diagonal:   # the first query sees only the first key
+        torch.testing.assert_close(out[..., 0, :], v[..., 0, :])
+
+
+def test_block_attention_computes_in_float32_for_bfloat16_input():
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g).bfloat16() for _ in range(3))
+    out, lse = cp.block_attention(q, k, v, 8 ** -0.5, True)
+    assert out.dtype == lse.dtype == torch.float32
+    want_o, want_l = masked_attention(q, k, v, 8 ** -0.5, True)
+    torch.testing.assert_close(out, want_o.float())
+    torch.testing.assert_close(lse, want_l.float())
+
+
+def test_block_attention_then_merge_over_blocks_equals_causal_attention():
+    """Causal attention over 3 blocks of 4 tokens, block by block as one ring rank would."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 12, 4, generator=g) for _ in range(3))
+    scale = 0.5
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    for qb in range(3):
+        qs = q[..., 4 * qb:4 * qb + 4, :]
+        out = torch.zeros(1, 2, 4, 4)
+        lse = torch.full((1, 2, 4), float("-inf"))
+        for kb in range(qb + 1):
+            bo, bl = cp.block_attention(qs, k[..., 4 * kb:4 * kb + 4, :], v[..., 4 * kb:4 * kb + 4, :], scale,
+                                        diagonal=kb == qb)
+            out, lse = cp.merge_partials(out, lse, bo, bl)
+        torch.testing.assert_close(out, ref[..., 4 * qb:4 * qb + 4, :])
+
+
+# ------------------------------------------------------------------ (c) the schedule
+
+@pytest.mark.parametrize("P", range(1, 9))
+def test_contiguous_causal_work_grows_as_1_to_P(P):
+    s = 4 * P
+    work = cp.work_per_rank(s, P, "contiguous", True)
+    assert work == [(s // P) ** 2 * (r + 1) for r in range(P)]
+    assert [w / work[0] for w in work] == list(range(1, P + 1))
+
+
+@pytest.mark.parametrize("P", range(1, 9))
+def test_zigzag_causal_work_is_equal(P):
+    s = 6 * P
+    work = cp.work_per_rank(s, P, "zigzag", True)
+    piece = s // (2 * P)
+    assert work == [piece * piece * (2 * P + 1)] * P          # 2P full pieces' worth + the diagonal pair
+    assert sum(work) == piece * piece * (2 * P) * (2 * P + 1) // 2   # the lower triangle of 2P × 2P pieces
+
+
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+@pytest.mark.parametrize("P", range(1, 9))
+def test_non_causal_work_is_equal_and_covers_the_matrix(P, layout):
+    s = 2 * P * 3
+    work = cp.work_per_rank(s, P, layout, False)
+    assert work == [s * s // P] * P
+
+
+def global_pairs(P, layout, causal):
+    """(query chunk, key chunk, kind, rank, step) for everything the ring computes."""
+    out = []
+    for r in range(P):
+        mine = cp.chunk_ids(r, P, layout)
+        plan = cp.schedule(r, P, layout, causal)
+        assert len(plan) == P
+        for i, pairs in enumerate(plan):
+            theirs = cp.chunk_ids((r - i) % P, P, layout)        # step i: the block of rank r − i
+            for qi, kj, kind in pairs:
+                out.append((mine[qi], theirs[kj], kind, r, i))
+    return out
+
+
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+@pytest.mark.parametrize("P", range(1, 9))
+def test_causal_schedule_computes_each_needed_pair_exactly_once(P, layout):
+    n = cp.n_chunks(P, layout)
+    pairs = global_pairs(P, layout, True)
+    seen = [(qc, kc) for qc, kc, *_ in pairs]
+    assert sorted(seen) == sorted((qc, kc) for qc in range(n) for kc in range(n) if qc >= kc)
+    assert len(seen) == len(set(seen)) == n * (n + 1) // 2
+    for qc, kc, kind, r, _ in pairs:
+        assert qc >= kc, f"rank {r} attends query chunk {qc} to the later key chunk {kc}"
+        assert kind == ("diagonal" if qc == kc else "full")
+        assert qc in cp.chunk_ids(r, P, layout)                  # queries stay home
+
+
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+@pytest.mark.parametrize("P", range(1, 9))
+def test_non_causal_schedule_computes_every_pair_exactly_once(P, layout):
+    n = cp.n_chunks(P, layout)
+    pairs = global_pairs(P, layout, False)
+    seen = [(qc, kc) for qc, kc, *_ in pairs]
+    assert sorted(seen) == sorted((qc, kc) for qc in range(n) for kc in range(n))
+    assert len(set(seen)) == n * n
+    assert {kind for _, _, kind, *_ in pairs} == {"full"}
+
+
+def test_schedule_for_four_ranks_by_hand():
+    assert cp.schedule(0, 4, "contiguous", True) == [[(0, 0, "diagonal")], [], [], []]
+    assert cp.schedule(3, 4, "contiguous", True) == [[(0, 0, "diagonal")], [(0, 0, "full")],
+                                                     [(0, 0, "full")], [(0, 0, "full")]]
+    # zigzag rank 0 holds chunks [0, 7]; at step 1 it holds rank 3's chunks [3, 4]
+    assert cp.schedule(0, 4, "zigzag", True)[0] == [(0, 0, "diagonal"), (1, 0, "full"), (1, 1, "diagonal")]
+    assert cp.schedule(0, 4, "zigzag", True)[1] == [(1, 0, "full"), (1, 1, "full")]
+
+
+# ------------------------------------------------------------------ (d) layout helpers
+
+@pytest.mark.parametrize("P", range(1, 9))
+def test_chunk_ids_give_every_chunk_to_exactly_one_rank(P):
+    for layout in cp.LAYOUTS:
+        ids = [c for r in range(P) for c in cp.chunk_ids(r, P, layout)]
+        assert sorted(ids) == list(range(cp.n_chunks(P, layout)))
+    assert cp.n_chunks(P, "contiguous") == P and cp.n_chunks(P, "zigzag") == 2 * P
+    assert [cp.chunk_ids(r, P, "zigzag") for r in range(P)] == [[r, 2 * P - 1 - r] for r in range(P)]
+    assert [cp.chunk_ids(r, P, "contiguous") for r in range(P)] == [[r] for r in range(P)]
+
+
+@pytest.mark.parametrize("P", [0, -1, 2.5, True, "2", None])
+def test_n_chunks_rejects_a_bad_degree(P):
+    with pytest.raises(ValueError, match="the context-parallel degree P must be a whole number ≥ 1"):
+        cp.n_chunks(P, "zigzag")
+
+
+@pytest.mark.parametrize("call", [lambda: cp.n_chunks(2, "striped"), lambda: cp.chunk_ids(0, 2, "Zigzag"),
+                                  lambda: cp.check_sequence(8, 2, "ring"),
+                                  lambda: cp.work_per_rank(8, 2, "", True),
+                                  lambda: cp.schedule(0, 2, "contiguous ", True)])
+def test_unknown_layouts_are_rejected(call):
+    with pytest.raises(ValueError, match=re.escape("layout must be one of ('contiguous', 'zigzag')")):
+        call()
+
+
+@pytest.mark.parametrize("rank, P", [(2, 2), (-1, 2), (4, 4), (1, 1)])
+def test_chunk_ids_rejects_a_rank_outside_the_group(rank, P):
+    with pytest.raises(ValueError, match=re.escape(f"rank {rank} is not one of the P={P} ranks")):
+        cp.chunk_ids(rank, P, "zigzag")
+
+
+@pytest.mark.parametrize("s, P, layout", [(8, 1, "zigzag"), (8, 4, "zigzag"), (8, 8, "contiguous"),
+                                          (6, 3, "zigzag"), (7, 7, "contiguous"), (2, 1, "zigzag")])
+def test_check_sequence_accepts(s, P, layout):
+    assert cp.check_sequence(s, P, layout) is None
+
+
+@pytest.mark.parametrize("s, P, layout, message", [
+    (12, 4, "zigzag", "sequence length 12 is not divisible by 2P = 8 (the zigzag layout cuts it into 8 equal chunks)"),
+    (6, 4, "contiguous", "sequence length 6 is not divisible by P = 4"),
+    (3, 1, "zigzag", "sequence length 3 is not divisible by 2P = 2"),
+    (10, 2, "zigzag", "sequence length 10 is not divisible by 2P = 4"),
+])
+def test_check_sequence_names_the_rule(s, P, layout, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cp.check_sequence(s, P, layout)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cp.work_per_rank(s, P, layout, True)
+
+
+def fake_group(monkeypatch, P, rank):
+    """shard_sequence only asks the group for its size and this rank: no process group needed."""
+    monkeypatch.setattr(cp, "dist", SimpleNamespace(get_world_size=lambda group: P, get_rank=lambda group: rank))
+
+
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_shard_sequence_takes_this_ranks_chunks(monkeypatch, layout, dim):
+    P = 3
+    x = torch.arange(6 * 12 * 6).reshape(6, 12, 6)
+    parts = []
+    for r in range(P):
+        fake_group(monkeypatch, P, r)
+        parts.append(cp.shard_sequence(x, dim, None, layout))
+    chunks = x.chunk(cp.n_chunks(P, layout), dim)
+    for r, part in enumerate(parts):
+        assert torch.equal(part, torch.cat([chunks[c] for c in cp.chunk_ids(r, P, layout)], dim))
+    assert torch.equal(torch.cat(parts, dim).sort(dim).values, x.sort(dim).values)   # nothing lost
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "shard_sequence/unshard_sequence normalise dim with `dim % x.dim()` (context_parallel.py, "
+    "shard_sequence and unshard_sequence), so an out-of-range dim wraps round silently: dim=3 of a 3-D "
+    "tensor shards dim 0, dim=-4 shards dim 2, instead of raising"))
+@pytest.mark.parametrize("dim", [3, -4])
+def test_shard_sequence_rejects_a_dim_out_of_range(monkeypatch, dim):
+    fake_group(monkeypatch, 2, 0)
+    x = torch.zeros(4, 4, 4)
+    with pytest.raises((ValueError, IndexError)):
+        cp.shard_sequence(x, dim, None, "contiguous")
+
+
+# ------------------------------------------------------------------ (e) cp_costs
+
+@pytest.mark.parametrize("P", [1, 2, 4, 8])
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_cp_costs_ring_bytes(P, itemsize):
+    s, b, heads, d = 64, 2, 8, 16
+    block = b * (s // P) * heads * d * itemsize
+    for layout in cp.LAYOUTS:
+        for causal in (True, False):
+            c = cp.cp_costs(s, b, heads, d, P, "ring", causal, layout, itemsize)
+            assert c["forward"] == 2 * (P - 1) * block
+            # k, v again, and P moves of dk, dv in float32
+            assert c["backward"] == 2 * (P - 1) * block + (2 * P * block * 4 // itemsize if P > 1 else 0)
+            assert c["sent"] == c["forward"] + c["backward"]
+            assert c["scores"] == max(cp.work_per_rank(s, P, layout, causal)) * b * heads
+            assert c["flops"] == 4 * d * c["scores"]
+            assert c["memory"] == 6 * block
+
+
+@pytest.mark.parametrize("P", [1, 2, 4, 8])
+def test_cp_costs_ulysses_bytes(P):
+    s, b, heads, d, itemsize = 64, 2, 8, 16, 2
+    block = b * (s // P) * heads * d * itemsize
+    for causal in (True, False):
+        c = cp.cp_costs(s, b, heads, d, P, "ulysses", causal, itemsize=itemsize)
+        assert c["forward"] == pytest.approx(4 * (P - 1) / P * block)
+        assert c["backward"] == c["forward"]
+        assert c["sent"] == pytest.approx(8 * (P - 1) / P * block)
+        assert c["scores"] == b * (heads // P) * (s * (s + 1) // 2 if causal else s * s)
+        assert c["memory"] == 8 * block
+
+
+def test_cp_costs_zigzag_balances_the_causal_ring():
+    s, b, heads, d, P = 1024, 1, 8, 64, 8
+    contiguous = cp.cp_costs(s, b, heads, d, P, "ring", True, "contiguous")
+    zigzag = cp.cp_costs(s, b, heads, d, P, "ring", True, "zigzag")
+    assert contiguous["forward"] == zigzag["forward"]
+    # the busiest rank: all P blocks against (2P + 1)/4 of them
+    assert contiguous["scores"] / zigzag["scores"] == pytest.approx(P / ((2 * P + 1) / 4))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(method="flash"), "method must be 'ring' or 'ulysses', got 'flash'"),
+    (dict(method="Ring"), "method must be 'ring' or 'ulysses', got 'Ring'"),
+    (dict(method="ulysses", heads=6, P=4),
+     "6 heads are not divisible by the context-parallel degree P=4"),
+    (dict(method="ulysses", heads=2, P=4), "(P > heads)"),
+    (dict(method="ulysses", s=30, P=4), "sequence length 30 is not divisible by P = 4"),
+    (dict(method="ring", s=36, P=4), "sequence length 36 is not divisible by 2P = 8"),
+    (dict(method="ring", layout="striped"), "layout must be one of"),
+    (dict(s=0), "sequence length must be a whole number ≥ 1, got 0"),
+    (dict(b=1.5), "batch must be a whole number ≥ 1, got 1.5"),
+    (dict(heads=True), "heads must be a whole number ≥ 1, got True"),
+    (dict(d=-8), "head dimension must be a whole number ≥ 1, got -8"),
+    (dict(itemsize=0), "itemsize must be a whole number ≥ 1, got 0"),
+    (dict(P=2.5), "the context-parallel degree P must be a whole number ≥ 1, got 2.5"),
+])
+def test_cp_costs_errors_name_the_rule(kwargs, message):
+    args = dict(s=64, b=1, heads=8, d=16, P=4, method="ring", causal=True, layout="zigzag", itemsize=2)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cp.cp_costs(**args)
+
+
+@pytest.mark.xfail(strict=True, raises=ZeroDivisionError, reason=(
+    "cp_costs computes `s // P` for `block` before anything checks P (context_parallel.py, cp_costs), "
+    "so P=0 raises ZeroDivisionError instead of the ValueError n_chunks gives for P < 1"))
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_cp_costs_rejects_zero_ranks(method):
+    with pytest.raises(ValueError, match="P must be a whole number"):
+        cp.cp_costs(64, 1, 8, 16, 0, method)
+
+
+def test_nothing_here_starts_a_process_group():
+    assert not dist.is_initialized()
