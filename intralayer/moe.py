@@ -151,14 +151,17 @@ class Route:
         return torch.bincount(self.expert_index[self.kept], minlength=self.counts.numel())
 
 
-def topk_route(logits: torch.Tensor, k: int, capacity_factor: float, bias: torch.Tensor | None = None) -> Route:
+def topk_route(logits: torch.Tensor, k: int, capacity_factor: float, bias: torch.Tensor | None = None,
+               groups: int = 1, top_groups: int | None = None) -> Route:
     """Top-k routing with a capacity per expert.
 
     ``logits`` is ``(tokens, experts)``. Each token picks its ``k`` highest scores (with
     ``bias`` added for the choice only, as in DeepSeek-V3); its combine weights are the
     softmax of its chosen logits. Assignments beyond an expert's capacity are dropped:
     first choices of all tokens have priority over second choices, and within a rank of
-    choice earlier tokens come first (GShard's order, Lepikhin et al. 2021).
+    choice earlier tokens come first (GShard's order, Lepikhin et al. 2021). With
+    ``groups`` > 1 the experts form that many equal groups (nodes) and each token chooses
+    within its ``top_groups`` best groups (:func:`group_limited_topk`).
     """
     logits = torch.as_tensor(logits)
     if logits.dim() != 2 or not logits.is_floating_point():
@@ -169,8 +172,11 @@ def topk_route(logits: torch.Tensor, k: int, capacity_factor: float, bias: torch
     if k > E:
         raise ValueError(f"k={k} experts per token is more than the {E} experts")
     cap = capacity(T, E, k, capacity_factor)
-    choose = logits if bias is None else logits + bias
-    expert_index = choose.topk(k, dim=-1).indices                                # (T, k)
+    if groups == 1:
+        choose = logits if bias is None else logits + bias
+        expert_index = choose.topk(k, dim=-1).indices                            # (T, k)
+    else:
+        expert_index = group_limited_topk(logits, k, groups, groups if top_groups is None else top_groups, bias)
     weights = torch.softmax(logits.gather(-1, expert_index), dim=-1)             # (T, k)
     counts = torch.bincount(expert_index.flatten(), minlength=E)
     # Position of each assignment in its expert's queue: choice rank first, then token order.
@@ -238,7 +244,7 @@ class MoELayer(nn.Module):
     """
 
     def __init__(self, hidden: int, ffn: int, experts: int, k: int, capacity_factor: float = 1.25,
-                 shared: bool = False):
+                 shared: bool = False, groups: int = 1, top_groups: int | None = None):
         super().__init__()
         _whole(hidden, "hidden size")
         _whole(ffn, "expert width")
@@ -246,6 +252,7 @@ class MoELayer(nn.Module):
         if not 1 <= _whole(k, "k") <= experts:
             raise ValueError(f"k={k} must lie between 1 and the {experts} experts")
         self.hidden, self.ffn, self.k, self.capacity_factor = hidden, ffn, k, capacity_factor
+        self.groups, self.top_groups = groups, top_groups
         self.router = nn.Linear(hidden, experts, bias=False)
         scale = 1 / math.sqrt(hidden)
         self.w1 = nn.Parameter(torch.randn(experts, ffn, hidden) * scale)       # gate projection
@@ -275,7 +282,7 @@ class MoELayer(nn.Module):
                              f"{getattr(x, 'shape', type(x).__name__)}")
 
     def route(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> Route:
-        return topk_route(self.router(x), self.k, self.capacity_factor, bias)
+        return topk_route(self.router(x), self.k, self.capacity_factor, bias, self.groups, self.top_groups)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None):
         self._check(x)
@@ -289,8 +296,9 @@ class MoELayer(nn.Module):
         sizes = torch.bincount(expert, minlength=self.experts).tolist()
         out = torch.zeros_like(x)
         for e, (tok, w) in enumerate(zip(token.split(sizes), weight.split(sizes))):
-            if len(tok):
-                out = out.index_add(0, tok, self.expert(e, x[tok]) * w.unsqueeze(1))
+            # every expert runs, even on no tokens, so the output always depends on the
+            # weights (an empty batch of tokens still has a gradient: zero)
+            out = out.index_add(0, tok, self.expert(e, x[tok]) * w.unsqueeze(1))
         if self.shared is not None:
             out = out + self._shared(x)
         return out, r

@@ -1,0 +1,614 @@
+"""Tests of intralayer.moe (chapter 05's mixture of experts), on one process.
+
+(a) count_params against Mixtral 8x7B and DeepSeek-V3, recomputed here from the published
+    configuration numbers, tensor by tensor.
+(b) topk_route: the capacity formula, counts, drops, GShard's priority order (against a
+    plain loop written here), the combine weights, the selection bias, bad arguments.
+(c) The seed example: 64 tokens, k=2, capacity factor 1.25 → capacity 20, 24 dropped.
+(d) switch_balance_loss against NumPy, its gradient, its range.
+(e) bias_update and group_limited_topk.
+(f) MoELayer: the grouped forward against the per-token loop (outputs and gradients) and
+    against an independent einsum-free computation; drops; bad inputs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from intralayer import moe
+
+
+# ------------------------------------------------------------------ (a) parameter counts
+
+def mixtral_counts() -> tuple[int, int]:
+    """Mixtral 8x7B from its transformers configuration, written out independently."""
+    h, f, L, heads, kv, d, V, E, k = 4096, 14336, 32, 32, 8, 128, 32000, 8, 2
+    attn = h * heads * d + h * kv * d + h * kv * d + heads * d * h      # q, k, v, o (no biases)
+    expert = h * f + h * f + f * h                                      # w1, w3, w2
+    router = h * E                                                      # gate, no bias
+    norms = 2 * h                                                       # input + post-attention RMSNorm
+    embed = head = V * h                                                # untied
+    total = embed + head + h + L * (attn + E * expert + router + norms)
+    active = embed + head + h + L * (attn + k * expert + router + norms)
+    return total, active
+
+
+def deepseek_v3_counts() -> tuple[int, int]:
+    """DeepSeek-V3 from inference/configs/config_671B.json, written out independently."""
+    dim, inter, moe_inter, L, dense, heads = 7168, 18432, 2048, 61, 3, 128
+    routed, shared, active_experts, V = 256, 1, 8, 129280
+    q_lora, kv_lora, nope, rope, v_head = 1536, 512, 128, 64, 128
+    wq_a, q_norm = dim * q_lora, q_lora
+    wq_b = q_lora * heads * (nope + rope)
+    wkv_a, kv_norm = dim * (kv_lora + rope), kv_lora
+    wkv_b = kv_lora * heads * (nope + v_head)
+    wo = heads * v_head * dim
+    attn = wq_a + q_norm + wq_b + wkv_a + kv_norm + wkv_b + wo
+    norms = 2 * dim
+    dense_mlp = 3 * dim * inter
+    expert = 3 * dim * moe_inter
+    gate = routed * dim + routed                                        # weight + e_score_correction_bias
+    embed = head = V * dim
+    common = embed + head + dim + L * (attn + norms) + dense * dense_mlp + (L - dense) * gate
+    total = common + (L - dense) * (routed + shared) * expert
+    active = common + (L - dense) * (active_experts + shared) * expert
+    return total, active
+
+
+def test_mixtral_counts_match_the_published_sizes():
+    total, active = moe.count_params(moe.MIXTRAL_8X7B)
+    assert isinstance(total, int) and isinstance(active, int)
+    assert (total, active) == mixtral_counts()
+    assert round(total, -8) == 46_700_000_000                           # "46.7B"
+    assert round(active, -8) == 12_900_000_000                          # "12.9B active"
+
+
+def test_deepseek_v3_counts_match_the_published_sizes():
+    total, active = moe.count_params(moe.DEEPSEEK_V3)
+    assert isinstance(total, int) and isinstance(active, int)
+    assert (total, active) == deepseek_v3_counts()
+    assert round(total, -9) == 671_000_000_000                          # "671B"
+    assert 36e9 < active < 38e9                                         # "37B activated"
+
+
+@pytest.mark.parametrize("config", [moe.MIXTRAL_8X7B, moe.DEEPSEEK_V3], ids=["mixtral", "deepseek"])
+def test_breakdown_sums_to_the_totals(config):
+    parts = moe.param_breakdown(config)
+    assert {"embedding", "attention", "norms", "routed experts", "routers", "output head"} <= set(parts)
+    total, active = moe.count_params(config)
+    assert sum(t for t, _ in parts.values()) == total
+    assert sum(a for _, a in parts.values()) == active
+    for name, (t, a) in parts.items():
+        assert 0 <= a <= t, name
+    # Only the routed experts are partly idle for a token.
+    assert [n for n, (t, a) in parts.items() if a != t] == ["routed experts"]
+
+
+@pytest.mark.parametrize("config", [moe.MIXTRAL_8X7B, moe.DEEPSEEK_V3], ids=["mixtral", "deepseek"])
+def test_tied_embeddings_drop_the_head(config):
+    tied = dataclasses.replace(config, tied_embeddings=True)
+    total, active = moe.count_params(config)
+    t_total, t_active = moe.count_params(tied)
+    head = config.vocab * config.hidden
+    assert (total - t_total, active - t_active) == (head, head)
+    assert moe.param_breakdown(tied)["output head"] == (0, 0)
+
+
+def test_unknown_attention_kind_is_refused():
+    bad = dataclasses.replace(moe.MIXTRAL_8X7B, attention="linear")
+    with pytest.raises(ValueError, match="attention"):
+        moe.count_params(bad)
+
+
+def test_count_scales_with_the_experts():
+    """One more expert per MoE layer adds exactly one expert's three matrices plus a router row."""
+    c = moe.MIXTRAL_8X7B
+    more = dataclasses.replace(c, experts=c.experts + 1)
+    assert moe.count_params(more)[0] - moe.count_params(c)[0] == c.layers * (3 * c.hidden * c.moe_ffn + c.hidden)
+    assert moe.count_params(more)[1] - moe.count_params(c)[1] == c.layers * c.hidden     # router row only
+
+
+# ------------------------------------------------------------------ (b) topk_route
+
+def exact_capacity(cf: str, T: int, k: int, E: int) -> int:
+    return math.ceil(Fraction(cf) * T * k / E)
+
+
+def loop_kept(expert_index: torch.Tensor, E: int, cap: int) -> torch.Tensor:
+    """GShard's priority by hand: all first choices (token order), then all second choices…"""
+    T, k = expert_index.shape
+    used = [0] * E
+    kept = torch.zeros(T, k, dtype=torch.bool)
+    for j in range(k):
+        for t in range(T):
+            e = int(expert_index[t, j])
+            if used[e] < cap:
+                kept[t, j] = True
+                used[e] += 1
+    return kept
+
+
+@pytest.mark.parametrize("cf", ["0.1", "0.5", "1", "1.1", "1.2", "1.25", "1.5", "2", "3.3"])
+def test_capacity_formula_on_a_grid(cf):
+    for T in [1, 3, 7, 10, 16, 64, 100, 1000, 4096, 10000]:
+        for E in [1, 2, 4, 8, 16, 64]:
+            for k in [1, 2, 4, 8]:
+                if k > E:
+                    continue
+                assert moe.capacity(T, E, k, float(cf)) == exact_capacity(cf, T, k, E), (cf, T, E, k)
+
+
+@pytest.mark.parametrize("T, E, k, cf, expected", [
+    (64, 8, 2, 1.25, 20),        # 64·2·1.25/8 = 20 exactly: not 21
+    (64, 8, 1, 1.25, 10),        # exactly 10
+    (10, 1, 1, 1.1, 11),         # 1.1·10 is 11.000000000000002 in floating point
+    (10, 2, 2, 1.1, 11),
+    (100, 10, 1, 1.2, 12),       # 1.2·100/10 = 12.000000000000002
+    (30, 10, 1, 1.1, 4),         # 3.3 → 4
+    (7, 4, 2, 1.0, 4),           # 3.5 → 4
+    (3, 8, 1, 1.0, 1),           # 0.375 → 1
+    (16, 4, 2, 0.5, 4),
+])
+def test_route_capacity_examples(T, E, k, cf, expected):
+    r = moe.topk_route(torch.randn(T, E), k, cf)
+    assert isinstance(r.capacity, int)
+    assert r.capacity == expected
+
+
+@pytest.mark.parametrize("T, E, k, cf", [
+    (64, 8, 2, 1.25), (64, 8, 2, 0.5), (50, 4, 1, 1.0), (33, 6, 3, 0.75),
+    (40, 8, 8, 1.0), (17, 5, 2, 2.0), (100, 16, 4, 0.25),
+])
+def test_route_counts_drops_and_priority(T, E, k, cf):
+    torch.manual_seed(T * 1000 + E * 10 + k)
+    # Skewed router so that some experts overflow.
+    logits = torch.randn(T, E) + torch.linspace(0, 2, E)
+    r = moe.topk_route(logits, k, cf)
+    assert r.expert_index.shape == (T, k) and r.weights.shape == (T, k)
+    assert r.expert_index.dtype == torch.int64
+    # Each token's k experts are distinct and are its k best logits, best first.
+    assert all(len(set(row.tolist())) == k for row in r.expert_index)
+    chosen = logits.gather(1, r.expert_index)
+    assert_close(chosen, logits.sort(dim=1, descending=True).values[:, :k])
+    # counts: before dropping.
+    assert torch.equal(r.counts, torch.bincount(r.expert_index.flatten(), minlength=E))
+    assert int(r.counts.sum()) == T * k
+    cap = exact_capacity(str(cf), T, k, E)
+    assert r.capacity == cap
+    expected_dropped = sum(max(0, int(c) - cap) for c in r.counts)
+    assert r.dropped == expected_dropped
+    # kept per expert never exceeds capacity, and equals min(count, capacity).
+    kept_per_expert = torch.bincount(r.expert_index[r.kept], minlength=E)
+    assert (kept_per_expert <= cap).all()
+    assert torch.equal(kept_per_expert, torch.clamp(r.counts, max=cap))
+    assert torch.equal(r.kept_counts, kept_per_expert)
+    # Priority: all first choices before second choices, earlier tokens first.
+    assert torch.equal(r.kept, loop_kept(r.expert_index, E, cap))
+    # probs: the router's full softmax.
+    assert_close(r.probs, torch.softmax(logits, dim=-1))
+
+
+def test_priority_prefers_first_choices_over_earlier_tokens():
+    """Token 0's second choice loses to token 1's first choice for the same expert."""
+    # 2 tokens, 2 experts, k=2: capacity ceil(1·2·2/2) = 2 — too roomy, so use cf=0.5 → 1.
+    logits = torch.tensor([[1.0, 2.0],      # token 0: expert 1 first, expert 0 second
+                           [3.0, 0.0]])     # token 1: expert 0 first, expert 1 second
+    r = moe.topk_route(logits, 2, 0.5)
+    assert r.capacity == 1
+    assert r.expert_index.tolist() == [[1, 0], [0, 1]]
+    assert r.kept.tolist() == [[True, False], [True, False]]
+    assert r.dropped == 2
+
+
+def test_weights_are_the_softmax_of_the_chosen_logits():
+    torch.manual_seed(0)
+    logits = torch.randn(30, 8, dtype=torch.float64, requires_grad=True)
+    r = moe.topk_route(logits, 3, 1.0)
+    assert r.weights.dtype == torch.float64
+    assert_close(r.weights.sum(-1), torch.ones(30, dtype=torch.float64))
+    assert (r.weights[:, :-1] >= r.weights[:, 1:]).all()                 # best first
+    chosen = logits.detach().gather(1, r.expert_index)
+    assert_close(r.weights, torch.softmax(chosen, dim=-1))
+    # Differentiable in the logits, and only at the chosen columns.
+    (r.weights[:, 0]).sum().backward()
+    mask = torch.zeros(30, 8, dtype=torch.bool).scatter_(1, r.expert_index, True)
+    assert (logits.grad[~mask] == 0).all()
+    assert (logits.grad[mask] != 0).any()
+
+
+def test_k_equal_to_experts_and_k_one():
+    logits = torch.randn(12, 4)
+    r = moe.topk_route(logits, 4, 1.0)
+    assert r.capacity == 12 and r.dropped == 0
+    assert r.counts.tolist() == [12] * 4
+    r1 = moe.topk_route(logits, 1, 1.0)
+    assert_close(r1.weights, torch.ones(12, 1))
+    assert torch.equal(r1.expert_index[:, 0], logits.argmax(1))
+
+
+def test_bias_changes_the_choice_not_the_weights_source():
+    torch.manual_seed(1)
+    T, E, k = 40, 8, 2
+    logits = torch.randn(T, E, dtype=torch.float64)
+    bias = torch.zeros(E, dtype=torch.float64)
+    bias[5] = 100.0                                                       # everyone picks expert 5 …
+    bias[2] = 50.0                                                        # … and expert 2
+    plain = moe.topk_route(logits, k, 10.0)
+    biased = moe.topk_route(logits, k, 10.0, bias=bias)
+    assert not torch.equal(plain.expert_index, biased.expert_index)
+    assert biased.expert_index.tolist() == [[5, 2]] * T
+    assert biased.counts.tolist() == [0, 0, T, 0, 0, T, 0, 0]
+    # Weights from the unbiased logits of the chosen experts.
+    expected = torch.softmax(logits[:, [5, 2]], dim=-1)
+    assert_close(biased.weights, expected)
+    biased_softmax = torch.softmax((logits + bias)[:, [5, 2]], dim=-1)
+    assert not torch.allclose(biased.weights, biased_softmax)
+    # probs stay the unbiased router softmax.
+    assert_close(biased.probs, torch.softmax(logits, dim=-1))
+    # A small bias that flips only some choices, checked column by column.
+    small = torch.linspace(-0.5, 0.5, E, dtype=torch.float64)
+    r = moe.topk_route(logits, k, 10.0, bias=small)
+    assert torch.equal(r.expert_index, (logits + small).topk(k, dim=-1).indices)
+    assert_close(r.weights, torch.softmax(logits.gather(1, r.expert_index), dim=-1))
+
+
+@pytest.mark.parametrize("logits, k, cf", [
+    (torch.randn(8, 4), 5, 1.0),                     # k > E
+    (torch.randn(8, 4), 0, 1.0),                     # k = 0
+    (torch.randn(8, 4), -1, 1.0),
+    (torch.randn(8, 4), 1.5, 1.0),                   # k not whole
+    (torch.randn(8, 4), True, 1.0),                  # a bool is not a count
+    (torch.randn(8), 1, 1.0),                        # 1-D
+    (torch.randn(2, 8, 4), 1, 1.0),                  # 3-D
+    (torch.arange(32).reshape(8, 4), 1, 1.0),        # integer logits
+    (torch.randn(8, 4), 1, 0.0),                     # cf = 0
+    (torch.randn(8, 4), 1, -1.25),                   # cf < 0
+    (torch.randn(8, 4), 1, float("nan")),
+])
+def test_route_rejects_bad_arguments(logits, k, cf):
+    with pytest.raises(ValueError):
+        moe.topk_route(logits, k, cf)
+
+
+# ------------------------------------------------------------------ (c) the seed example
+
+SEED_COUNTS = [6, 3, 6, 14, 16, 19, 25, 39]
+
+
+def seed_logits() -> torch.Tensor:
+    """64 tokens whose top-2 choices give exactly SEED_COUNTS.
+
+    Lay the 128 assignments out sorted by expert; token t takes slots t and t + 64. No
+    expert has 64 or more slots, so the two are always different experts.
+    """
+    slots = [e for e, c in enumerate(SEED_COUNTS) for _ in range(c)]
+    assert len(slots) == 128
+    g = torch.Generator().manual_seed(5)
+    logits = torch.rand(64, 8, generator=g) * 0.1
+    for t in range(64):
+        first, second = slots[t], slots[t + 64]
+        assert first != second
+        logits[t, first] = 3.0
+        logits[t, second] = 2.0
+    return logits
+
+
+def test_seed_example():
+    logits = seed_logits()
+    r = moe.topk_route(logits, 2, 1.25)
+    assert r.counts.tolist() == SEED_COUNTS
+    assert r.capacity == 20
+    assert r.dropped == 24                                                # (25 − 20) + (39 − 20)
+    assert r.kept_counts.tolist() == [min(c, 20) for c in SEED_COUNTS]
+    assert torch.equal(r.kept, loop_kept(r.expert_index, 8, 20))
+
+
+# ------------------------------------------------------------------ (d) switch_balance_loss
+
+def numpy_balance(logits: np.ndarray, expert_index: np.ndarray) -> float:
+    E = logits.shape[1]
+    f = np.bincount(expert_index.ravel(), minlength=E) / expert_index.size
+    z = logits - logits.max(1, keepdims=True)
+    p = (np.exp(z) / np.exp(z).sum(1, keepdims=True)).mean(0)
+    return float(E * (f * p).sum())
+
+
+@pytest.mark.parametrize("T, E, k", [(16, 4, 1), (64, 8, 2), (24, 8, 8)])
+def test_balance_loss_is_one_when_uniform(T, E, k):
+    logits = torch.zeros(T, E)
+    expert_index = (torch.arange(T * k) % E).reshape(T, k)
+    loss = moe.switch_balance_loss(logits, expert_index)
+    assert loss.dim() == 0
+    assert_close(loss, torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("seed, T, E, k", [(0, 32, 8, 2), (1, 50, 4, 1), (2, 10, 16, 4)])
+def test_balance_loss_matches_numpy(seed, T, E, k):
+    torch.manual_seed(seed)
+    logits = torch.randn(T, E, dtype=torch.float64) * 2
+    r = moe.topk_route(logits, k, 1.0)
+    loss = moe.switch_balance_loss(logits, r.expert_index)
+    assert loss.item() == pytest.approx(numpy_balance(logits.numpy(), r.expert_index.numpy()), rel=1e-12)
+    # Any assignment, not only the router's own.
+    other = torch.randint(0, E, (T, k))
+    loss = moe.switch_balance_loss(logits, other)
+    assert loss.item() == pytest.approx(numpy_balance(logits.numpy(), other.numpy()), rel=1e-12)
+
+
+def test_balance_loss_gradient():
+    torch.manual_seed(3)
+    logits = torch.randn(20, 6, dtype=torch.float64, requires_grad=True)
+    expert_index = logits.detach().topk(2, dim=-1).indices
+    loss = moe.switch_balance_loss(logits, expert_index)
+    loss.backward()
+    assert logits.grad is not None and torch.isfinite(logits.grad).all()
+    assert logits.grad.abs().sum() > 0
+    # The gradient flows through p only: it matches the analytic one, and gradcheck agrees.
+    f = torch.bincount(expert_index.flatten(), minlength=6).double() / expert_index.numel()
+    p = torch.softmax(logits.detach(), dim=-1)
+    # d/dz_tj of (E/T) Σ_i f_i p_ti = (E/T) p_tj (f_j − Σ_i f_i p_ti)
+    expected = 6 / 20 * p * (f - (p * f).sum(1, keepdim=True))
+    assert_close(logits.grad, expected)
+    assert torch.autograd.gradcheck(lambda z: moe.switch_balance_loss(z, expert_index), (logits,))
+
+
+def test_balance_loss_grows_as_routing_concentrates():
+    T, E = 64, 8
+    base = torch.randn(T, E, generator=torch.Generator().manual_seed(4))
+    losses = []
+    for scale in [0.0, 1.0, 3.0, 10.0]:
+        logits = base.clone()
+        logits[:, 0] += scale                                             # favour expert 0
+        r = moe.topk_route(logits, 1, 1.0)
+        losses.append(moe.switch_balance_loss(logits, r.expert_index).item())
+    assert all(a < b for a, b in zip(losses, losses[1:])), losses
+    # Everything on one expert with a confident router: close to the maximum, E.
+    logits = torch.zeros(T, E)
+    logits[:, 0] = 50.0
+    loss = moe.switch_balance_loss(logits, torch.zeros(T, 1, dtype=torch.long))
+    assert loss.item() == pytest.approx(E, rel=1e-6)
+
+
+# ------------------------------------------------------------------ (e) DeepSeek-V3's balancing
+
+def test_bias_update_sign_rule():
+    bias = torch.tensor([0.0, 0.5, -0.5, 1.0, 0.0])
+    before = bias.clone()
+    counts = torch.tensor([10, 5, 5, 0, 5])                               # mean 5
+    new = moe.bias_update(bias, counts, gamma=0.1)
+    assert_close(new, torch.tensor([-0.1, 0.5, -0.5, 1.1, 0.0]))
+    assert torch.equal(bias, before)                                      # not in place
+    assert new.dtype == bias.dtype
+    # Default γ and a float64 bias.
+    b64 = torch.zeros(4, dtype=torch.float64)
+    new = moe.bias_update(b64, [1, 2, 3, 6])                              # mean 3
+    assert new.dtype == torch.float64
+    assert_close(new, torch.tensor([1e-3, 1e-3, 0.0, -1e-3], dtype=torch.float64))
+    # Repeated updates push load toward balance on a fixed skewed router.
+    torch.manual_seed(6)
+    logits = torch.randn(256, 8) + torch.linspace(0, 1.5, 8)
+    b = torch.zeros(8)
+    spread = []
+    for step in range(200):
+        r = moe.topk_route(logits, 2, 8.0, bias=b)
+        spread.append(int(r.counts.max() - r.counts.min()))
+        b = moe.bias_update(b, r.counts, gamma=0.01)
+    assert min(spread[-20:]) < spread[0] / 2
+
+
+def reference_group_topk(scores, k, groups, top_groups, bias=None):
+    choose = scores if bias is None else scores + bias
+    T, E = scores.shape
+    n = E // groups
+    out = []
+    for t in range(T):
+        gscore = [sorted(choose[t, g * n:(g + 1) * n].tolist(), reverse=True)[:2] for g in range(groups)]
+        gscore = [sum(s) for s in gscore]
+        keep = sorted(range(groups), key=lambda g: -gscore[g])[:top_groups]
+        allowed = [e for g in keep for e in range(g * n, (g + 1) * n)]
+        best = sorted(allowed, key=lambda e: -float(choose[t, e]))[:k]
+        out.append(best)
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("T, E, groups, top_groups, k", [
+    (50, 16, 4, 2, 4), (30, 32, 8, 4, 8), (20, 8, 8, 3, 3), (25, 12, 3, 1, 4), (10, 256, 8, 4, 8),
+])
+def test_group_limited_topk_respects_groups(T, E, groups, top_groups, k):
+    torch.manual_seed(T + E)
+    scores = torch.randn(T, E, dtype=torch.float64)
+    bias = torch.randn(E, dtype=torch.float64) * 0.3
+    for b in [None, bias]:
+        idx = moe.group_limited_topk(scores, k, groups, top_groups, bias=b)
+        assert idx.shape == (T, k)
+        per = E // groups
+        for row in idx.tolist():
+            assert len(set(row)) == k
+            assert len({e // per for e in row}) <= top_groups
+        assert torch.equal(idx, reference_group_topk(scores, k, groups, top_groups, b))
+
+
+def test_group_limited_topk_equals_plain_topk_when_all_groups_are_kept():
+    torch.manual_seed(7)
+    scores = torch.randn(40, 16)
+    bias = torch.randn(16) * 0.5
+    for groups in [1, 2, 4, 8, 16]:
+        assert torch.equal(moe.group_limited_topk(scores, 4, groups, groups), scores.topk(4, dim=-1).indices)
+        assert torch.equal(moe.group_limited_topk(scores, 4, groups, groups, bias=bias),
+                           (scores + bias).topk(4, dim=-1).indices)
+
+
+def test_group_limited_topk_can_differ_from_plain_topk():
+    # Token's top-2 experts are 0 (group 0) and 4 (group 1), but group 1 sums higher.
+    scores = torch.tensor([[5.0, -9.0, -9.0, -9.0, 4.0, 3.9, -9.0, -9.0]])
+    assert moe.group_limited_topk(scores, 2, 2, 1).tolist() == [[4, 5]]
+    assert scores.topk(2).indices.tolist() == [[0, 4]]
+
+
+@pytest.mark.parametrize("E, k, groups, top_groups", [
+    (10, 2, 4, 2),      # 10 experts do not split into 4 groups
+    (16, 2, 4, 0),      # top_groups < 1
+    (16, 2, 4, 5),      # top_groups > groups
+    (16, 5, 4, 1),      # 5 experts from one group of 4
+    (16, 9, 4, 2),
+    (16, 2, 0, 1),      # no groups
+])
+def test_group_limited_topk_rejects_bad_arguments(E, k, groups, top_groups):
+    with pytest.raises(ValueError):
+        moe.group_limited_topk(torch.randn(6, E), k, groups, top_groups)
+
+
+# ------------------------------------------------------------------ (f) MoELayer
+
+H, FFN = 12, 20
+
+
+def make_layer(E, k, cf, shared, seed=0):
+    torch.manual_seed(seed)
+    layer = moe.MoELayer(H, FFN, E, k, cf, shared=shared).double()
+    return layer
+
+
+def independent_output(layer, x, route):
+    """Σ_j kept · w_tj · w2_e (silu(w1_e x_t) ⊙ w3_e x_t) (+ shared), computed expert-blind."""
+    w1 = layer.w1[route.expert_index]                                     # (T, k, f, h)
+    w3 = layer.w3[route.expert_index]
+    w2 = layer.w2[route.expert_index]                                     # (T, k, h, f)
+    a = torch.einsum("tkfh,th->tkf", w1, x)
+    b = torch.einsum("tkfh,th->tkf", w3, x)
+    y = torch.einsum("tkhf,tkf->tkh", w2, F.silu(a) * b)                  # (T, k, h)
+    out = (y * (route.weights * route.kept).unsqueeze(-1)).sum(1)
+    if layer.shared is not None:
+        s = layer.shared
+        out = out + F.linear(F.silu(F.linear(x, s["w1"].weight)) * F.linear(x, s["w3"].weight), s["w2"].weight)
+    return out
+
+
+def grads(layer, x, out, g):
+    params = [x, layer.router.weight, layer.w1, layer.w2, layer.w3]
+    if layer.shared is not None:
+        params += [layer.shared[n].weight for n in ("w1", "w2", "w3")]
+    return torch.autograd.grad((out * g).sum(), params, allow_unused=False)
+
+
+CASES = [
+    # T, E, k, cf, shared, starve (an expert nobody picks)
+    (16, 4, 2, 4.0, False, False),       # roomy: nothing dropped
+    (16, 4, 1, 2.0, True, False),
+    (24, 8, 2, 0.5, True, False),        # tight: drops
+    (24, 8, 2, 0.5, False, False),
+    (20, 6, 3, 1.0, True, True),         # an idle expert
+    (20, 6, 2, 0.4, False, True),        # an idle expert and drops
+    (9, 5, 5, 1.0, True, False),         # k = experts
+    (1, 4, 2, 1.0, True, False),         # a single token
+]
+
+
+@pytest.mark.parametrize("T, E, k, cf, shared, starve", CASES)
+def test_forward_equals_naive_forward(T, E, k, cf, shared, starve):
+    layer = make_layer(E, k, cf, shared, seed=T * 7 + E)
+    gen = torch.Generator().manual_seed(T + 100 * E)
+    x = torch.randn(T, H, dtype=torch.float64, generator=gen)
+    if starve:
+        # Positive tokens and a negative router row: expert E−1 never wins.
+        x = x.abs() + 0.1
+        with torch.no_grad():
+            layer.router.weight[E - 1] = -1.0
+    x.requires_grad_(True)
+    out, r = layer(x)
+    out_n, r_n = layer.forward_naive(x)
+    assert out.shape == (T, H) and out.dtype == torch.float64
+    assert torch.equal(r.expert_index, r_n.expert_index) and torch.equal(r.kept, r_n.kept)
+    if starve:
+        assert r.counts[E - 1] == 0
+    if cf < 1 and T > 1:
+        assert r.dropped > 0
+    assert_close(out, out_n)
+    assert_close(out, independent_output(layer, x.detach(), r))
+    # The route is the router's.
+    ref = moe.topk_route(layer.router(x.detach()), k, cf)
+    assert torch.equal(r.expert_index, ref.expert_index) and torch.equal(r.kept, ref.kept)
+    g = torch.randn(T, H, dtype=torch.float64, generator=gen)
+    for a, b in zip(grads(layer, x, out, g), grads(layer, x, out_n, g)):
+        assert torch.isfinite(a).all()
+        assert_close(a, b)
+
+
+def test_forward_with_bias_equals_naive_and_can_idle_an_expert():
+    layer = make_layer(6, 2, 1.0, True, seed=11)
+    x = torch.randn(18, H, dtype=torch.float64, requires_grad=True)
+    bias = torch.zeros(6, dtype=torch.float64)
+    bias[2] = -1e4
+    out, r = layer(x, bias=bias)
+    out_n, _ = layer.forward_naive(x, bias=bias)
+    assert r.counts[2] == 0
+    assert_close(out, out_n)
+    g = torch.randn_like(out)
+    for a, b in zip(grads(layer, x, out, g), grads(layer, x, out_n, g)):
+        assert_close(a, b)
+    # Expert 2 gets no gradient: it saw no token.
+    gw1 = torch.autograd.grad((layer(x, bias=bias)[0] * g).sum(), layer.w1)[0]
+    assert (gw1[2] == 0).all() and (gw1.abs().sum() > 0)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_fully_dropped_token_gets_only_the_shared_expert(shared):
+    T, E, k = 32, 4, 2
+    layer = make_layer(E, k, 0.25, shared, seed=21)                       # capacity ceil(0.25·32·2/4) = 4
+    x = torch.randn(T, H, dtype=torch.float64)
+    out, r = layer(x)
+    assert r.capacity == 4
+    gone = (~r.kept).all(dim=1).nonzero().flatten().tolist()
+    assert gone, "the example should drop some token entirely"
+    expected = layer._shared(x) if shared else torch.zeros(T, H, dtype=torch.float64)
+    for t in gone:
+        assert_close(out[t], expected[t])
+    # Partly dropped tokens: only their kept assignments count.
+    assert_close(out, independent_output(layer, x, r))
+    # And a token's dropped assignment has no effect on the gradient of its expert.
+    out_n, _ = layer.forward_naive(x)
+    assert_close(out, out_n)
+
+
+@pytest.mark.parametrize("x", [
+    torch.randn(5, H + 1),                      # wrong hidden size
+    torch.randn(H),                             # 1-D
+    torch.randn(2, 5, H),                       # 3-D
+    torch.ones(5, H, dtype=torch.long),         # integer
+    [[0.0] * H] * 5,                            # not a tensor
+])
+def test_layer_rejects_bad_inputs(x):
+    layer = moe.MoELayer(H, FFN, 4, 2)
+    with pytest.raises(ValueError):
+        layer(x)
+    with pytest.raises(ValueError):
+        layer.forward_naive(x)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(hidden=H, ffn=FFN, experts=4, k=5),
+    dict(hidden=H, ffn=FFN, experts=4, k=0),
+    dict(hidden=H, ffn=FFN, experts=0, k=1),
+    dict(hidden=0, ffn=FFN, experts=4, k=1),
+    dict(hidden=H, ffn=2.5, experts=4, k=1),
+])
+def test_layer_constructor_rejects_bad_sizes(kwargs):
+    with pytest.raises(ValueError):
+        moe.MoELayer(**kwargs)
+
+
+def test_layer_shapes_and_parameters():
+    layer = moe.MoELayer(H, FFN, 4, 2, shared=True)
+    assert layer.experts == 4
+    assert layer.w1.shape == (4, FFN, H) and layer.w3.shape == (4, FFN, H) and layer.w2.shape == (4, H, FFN)
+    assert layer.router.weight.shape == (4, H) and layer.router.bias is None
+    n = sum(p.numel() for p in layer.parameters())
+    assert n == 4 * 3 * H * FFN + 3 * H * FFN + 4 * H
+    assert sum(p.numel() for p in moe.MoELayer(H, FFN, 4, 2).parameters()) == 4 * 3 * H * FFN + 4 * H
