@@ -52,7 +52,7 @@ def n_chunks(P: int, layout: str) -> int:
 def chunk_ids(rank: int, P: int, layout: str) -> list[int]:
     """The chunks rank ``rank`` holds, in order: ``[r]`` or ``[r, 2P−1−r]``."""
     n_chunks(P, layout)
-    if not 0 <= rank < P:
+    if not isinstance(rank, numbers.Integral) or isinstance(rank, bool) or not 0 <= rank < P:
         raise ValueError(f"rank {rank} is not one of the P={P} ranks")
     return [rank] if layout == "contiguous" else [rank, 2 * P - 1 - rank]
 
@@ -60,6 +60,8 @@ def chunk_ids(rank: int, P: int, layout: str) -> list[int]:
 def check_sequence(s: int, P: int, layout: str) -> None:
     """``ValueError`` unless a sequence of ``s`` tokens cuts evenly for ``layout`` on P ranks."""
     n = n_chunks(P, layout)
+    if not isinstance(s, numbers.Integral) or isinstance(s, bool) or s < 1:
+        raise ValueError(f"sequence length must be a whole number ≥ 1, got {s!r}")
     if s % n:
         rule = "P" if layout == "contiguous" else "2P"
         raise ValueError(f"sequence length {s} is not divisible by {rule} = {n} "
@@ -69,7 +71,7 @@ def check_sequence(s: int, P: int, layout: str) -> None:
 def shard_sequence(x: torch.Tensor, dim: int, group, layout: str = "contiguous") -> torch.Tensor:
     """This rank's tokens of a sequence that every rank holds whole."""
     P, r = dist.get_world_size(group), dist.get_rank(group)
-    dim = dim % x.dim()
+    dim = comm._check_dim(x, dim)
     check_sequence(x.shape[dim], P, layout)
     chunks = x.chunk(n_chunks(P, layout), dim=dim)
     return torch.cat([chunks[i] for i in chunk_ids(r, P, layout)], dim=dim)
@@ -78,7 +80,7 @@ def shard_sequence(x: torch.Tensor, dim: int, group, layout: str = "contiguous")
 def unshard_sequence(x_local: torch.Tensor, dim: int, group, layout: str = "contiguous") -> torch.Tensor:
     """The whole sequence, in order, on every rank (an all-gather; backward keeps this rank's part)."""
     P = dist.get_world_size(group)
-    dim = dim % x_local.dim()
+    dim = comm._check_dim(x_local, dim)
     per_rank = len(chunk_ids(0, P, layout))
     if x_local.shape[dim] % per_rank:
         raise ValueError(f"a zigzag shard holds 2 equal chunks; {x_local.shape[dim]} tokens do not split in two")
@@ -127,9 +129,15 @@ def block_attention(q, k, v, scale: float, diagonal: bool):
     ``diagonal`` masks keys after queries within the block (the block on the diagonal of
     a causal attention matrix).
     """
-    s = _scores(q.float(), k.float(), scale, diagonal)
+    w = _work_dtype(q.dtype)
+    s = _scores(q.to(w), k.to(w), scale, diagonal)
     lse = torch.logsumexp(s, dim=-1)                                             # (b, h, m)
-    return _probs(s, lse) @ v.float(), lse
+    return _probs(s, lse) @ v.to(w), lse
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulate in float32, or in the input's own type when it is wider (float64)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _relation(qc: int, kc: int, causal: bool) -> str | None:
@@ -199,8 +207,9 @@ class _RingAttention(torch.autograd.Function):
         n = len(chunk_ids(r, P, layout))
         scale = 1.0 / math.sqrt(q.shape[-1])
         b, h, sl, d = q.shape
-        out = torch.zeros(b, h, sl, d, dtype=torch.float32, device=q.device)
-        lse = torch.full((b, h, sl), float("-inf"), dtype=torch.float32, device=q.device)
+        w = _work_dtype(q.dtype)
+        out = torch.zeros(b, h, sl, d, dtype=w, device=q.device)
+        lse = torch.full((b, h, sl), float("-inf"), dtype=w, device=q.device)
         out_p, lse_p, q_p = _pieces(out, n), list(lse.chunk(n, dim=2)), _pieces(q, n)
         kv = [k, v]
         per_step = []
@@ -230,16 +239,17 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, plan, n, scale = ctx.group, ctx.plan, ctx.n, ctx.scale
         P = dist.get_world_size(group)
-        dout = dout.float()
+        w = out.dtype
+        dout = dout.to(w)
         delta = (dout * out).sum(-1)                                             # D = rowsum(dO ⊙ O), (b, h, sl)
         dq = torch.zeros_like(out)
-        q_p, do_p, lse_p, dl_p, dq_p = (_pieces(q.float(), n), _pieces(dout, n), list(lse.chunk(n, 2)),
+        q_p, do_p, lse_p, dl_p, dq_p = (_pieces(q.to(w), n), _pieces(dout, n), list(lse.chunk(n, 2)),
                                         list(delta.chunk(n, 2)), _pieces(dq, n))
         kv = [k, v]
-        acc = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]  # dk, dv
+        acc = [torch.zeros_like(k, dtype=w), torch.zeros_like(v, dtype=w)]      # dk, dv, travelling
         for i, pairs in enumerate(plan):
             pending = comm.ring_exchange_start(kv, 1, group, "ring k,v", "backward") if i < P - 1 else None
-            k_p, v_p = _pieces(kv[0].float(), n), _pieces(kv[1].float(), n)
+            k_p, v_p = _pieces(kv[0].to(w), n), _pieces(kv[1].to(w), n)
             dk_p, dv_p = _pieces(acc[0], n), _pieces(acc[1], n)
             for qi, kj, kind in pairs:
                 p = _probs(_scores(q_p[qi], k_p[kj], scale, kind == "diagonal"), lse_p[qi])   # (b, h, m, n)
@@ -328,7 +338,7 @@ def cp_costs(s: int, b: int, heads: int, d: int, P: int, method: str, causal: bo
 
     - Ring (this module's implementation): forward, P−1 moves of this rank's k and v
       blocks (``block`` = b·s/P·heads·d numbers each); backward, P−1 moves of k and v and
-      P moves of their gradients, which travel in float32.
+      P moves of their gradients, which travel in float32 (float64 for float64 inputs).
     - Ulysses: four all-to-alls forward (q, k, v, output) and four backward, each sending
       (P−1)/P of a (b, heads, s/P, d) tensor — 4Nh/P per rank and pass for N = b·s tokens
       and h = heads·d (Jacobs et al. 2023).
@@ -344,11 +354,12 @@ def cp_costs(s: int, b: int, heads: int, d: int, P: int, method: str, causal: bo
                         (itemsize, "itemsize")):
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{what} must be a whole number ≥ 1, got {value!r}")
+    n_chunks(P, "contiguous")                                                   # P a whole number ≥ 1
     block = b * (s // P) * heads * d * itemsize                                  # one of q, k, v on a rank
     if method == "ring":
         check_sequence(s, P, layout)
         forward = (P - 1) * 2 * block
-        backward = (P - 1) * 2 * block + (P * 2 * block * 4 // itemsize if P > 1 else 0)
+        backward = (P - 1) * 2 * block + (P * 2 * block * max(4, itemsize) // itemsize if P > 1 else 0)
         scores = max(work_per_rank(s, P, layout, causal)) * b * heads
         memory = 6 * block
     else:

@@ -126,8 +126,8 @@ def capacity(tokens: int, experts: int, k: int, capacity_factor: float) -> int:
     Switch Transformer's tokens/experts × factor (Fedus et al. 2021), with k assignments
     per token as Megatron-Core counts them.
     """
-    if not capacity_factor > 0:
-        raise ValueError(f"capacity factor must be > 0, got {capacity_factor!r}")
+    if not (isinstance(capacity_factor, (int, float)) and 0 < capacity_factor < math.inf):
+        raise ValueError(f"capacity factor must be a finite number > 0, got {capacity_factor!r}")
     return math.ceil(capacity_factor * tokens * k / experts - 1e-9)
 
 
@@ -194,6 +194,8 @@ def switch_balance_loss(logits: torch.Tensor, expert_index: torch.Tensor) -> tor
     comes from a discrete choice).
     """
     logits = torch.as_tensor(logits)
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be a (tokens, experts) matrix, got shape {tuple(logits.shape)}")
     E = logits.shape[-1]
     f = torch.bincount(torch.as_tensor(expert_index).flatten(), minlength=E).to(logits.dtype)
     f = f / f.sum()
@@ -217,6 +219,8 @@ def group_limited_topk(scores: torch.Tensor, k: int, groups: int, top_groups: in
     """
     T, E = scores.shape
     _whole(groups, "groups")
+    _whole(k, "k (experts per token)")
+    _whole(top_groups, "top_groups")
     if E % groups:
         raise ValueError(f"{E} experts do not split into {groups} equal groups")
     if not 1 <= top_groups <= groups:
@@ -251,6 +255,7 @@ class MoELayer(nn.Module):
         _whole(experts, "number of experts")
         if not 1 <= _whole(k, "k") <= experts:
             raise ValueError(f"k={k} must lie between 1 and the {experts} experts")
+        capacity(1, 1, 1, capacity_factor)                # the factor must be > 0
         self.hidden, self.ffn, self.k, self.capacity_factor = hidden, ffn, k, capacity_factor
         self.groups, self.top_groups = groups, top_groups
         self.router = nn.Linear(hidden, experts, bias=False)

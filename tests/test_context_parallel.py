@@ -9,8 +9,9 @@
     stand-in for the process group.
 (e) cp_costs against the formulas of its docstring, and its errors.
 
-Known bugs are marked ``xfail(strict=True)``: each such test passes once the bug is fixed,
-and then fails until the mark is removed.
+Three tests here began as strict xfails for bugs they found (ring attention in float32
+whatever the input dtype, an out-of-range dim wrapping round, P = 0 in cp_costs); the
+library is fixed and they are plain tests now.
 """
 from __future__ import annotations
 
@@ -44,11 +45,6 @@ def test_ring_and_ulysses_match_sdpa_on_real_ranks(nproc):
     assert all("Traceback" not in text for text in result.stderr.values())
 
 
-@pytest.mark.xfail(strict=True, raises=launch.LaunchError, reason=(
-    "ring_attention computes in float32 whatever the input dtype (context_parallel.py: "
-    "_RingAttention.forward allocates out/lse as float32, block_attention calls .float(), backward "
-    "casts q, k, v, dout to float32): float64 inputs come back with float32 accuracy (~4e-7 off "
-    "float64 SDPA), outside float64's default tolerances"))
 def test_ring_attention_keeps_float64_precision():
     result = launch.run("tests.programs.cp_checks", 2, args=["float64-ring"], env=ENV, timeout=60, show=False)
     assert f"{cp_checks.FLOAT64_RING_MARKER} 2" in result.output
@@ -350,10 +346,6 @@ def test_shard_sequence_takes_this_ranks_chunks(monkeypatch, layout, dim):
     assert torch.equal(torch.cat(parts, dim).sort(dim).values, x.sort(dim).values)   # nothing lost
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "shard_sequence/unshard_sequence normalise dim with `dim % x.dim()` (context_parallel.py, "
-    "shard_sequence and unshard_sequence), so an out-of-range dim wraps round silently: dim=3 of a 3-D "
-    "tensor shards dim 0, dim=-4 shards dim 2, instead of raising"))
 @pytest.mark.parametrize("dim", [3, -4])
 def test_shard_sequence_rejects_a_dim_out_of_range(monkeypatch, dim):
     fake_group(monkeypatch, 2, 0)
@@ -426,9 +418,6 @@ def test_cp_costs_errors_name_the_rule(kwargs, message):
         cp.cp_costs(**args)
 
 
-@pytest.mark.xfail(strict=True, raises=ZeroDivisionError, reason=(
-    "cp_costs computes `s // P` for `block` before anything checks P (context_parallel.py, cp_costs), "
-    "so P=0 raises ZeroDivisionError instead of the ValueError n_chunks gives for P < 1"))
 @pytest.mark.parametrize("method", ["ring", "ulysses"])
 def test_cp_costs_rejects_zero_ranks(method):
     with pytest.raises(ValueError, match="P must be a whole number"):

@@ -396,7 +396,7 @@ def test_bias_update_sign_rule():
     logits = torch.randn(256, 8) + torch.linspace(0, 1.5, 8)
     b = torch.zeros(8)
     spread = []
-    for step in range(200):
+    for step in range(100):
         r = moe.topk_route(logits, 2, 8.0, bias=b)
         spread.append(int(r.counts.max() - r.counts.min()))
         b = moe.bias_update(b, r.counts, gamma=0.01)
@@ -463,6 +463,12 @@ def test_group_limited_topk_can_differ_from_plain_topk():
 def test_group_limited_topk_rejects_bad_arguments(E, k, groups, top_groups):
     with pytest.raises(ValueError):
         moe.group_limited_topk(torch.randn(6, E), k, groups, top_groups)
+
+
+@pytest.mark.parametrize("k, top_groups", [(0, 2), (-1, 2), (1.5, 2), (2, 1.5)])
+def test_group_limited_topk_rejects_non_counts(k, top_groups):
+    with pytest.raises(ValueError):
+        moe.group_limited_topk(torch.randn(6, 16), k, 4, top_groups)
 
 
 # ------------------------------------------------------------------ (f) MoELayer
@@ -572,9 +578,13 @@ def test_fully_dropped_token_gets_only_the_shared_expert(shared):
         assert_close(out[t], expected[t])
     # Partly dropped tokens: only their kept assignments count.
     assert_close(out, independent_output(layer, x, r))
-    # And a token's dropped assignment has no effect on the gradient of its expert.
     out_n, _ = layer.forward_naive(x)
     assert_close(out, out_n)
+    # A fully dropped token's input reaches no routed expert: its gradient comes from the
+    # shared expert alone (and, through the router, only via kept assignments — none here).
+    xg = x.clone().requires_grad_(True)
+    w1_grad = torch.autograd.grad(layer(xg)[0][gone].sum(), layer.w1, allow_unused=True)[0]
+    assert w1_grad is None or (w1_grad == 0).all()
 
 
 @pytest.mark.parametrize("x", [
@@ -602,6 +612,20 @@ def test_layer_rejects_bad_inputs(x):
 def test_layer_constructor_rejects_bad_sizes(kwargs):
     with pytest.raises(ValueError):
         moe.MoELayer(**kwargs)
+
+
+@pytest.mark.parametrize("cf", [0.0, -1.0])
+def test_layer_constructor_rejects_bad_capacity_factor(cf):
+    with pytest.raises(ValueError):
+        moe.MoELayer(H, FFN, 4, 2, cf)
+
+
+@pytest.mark.parametrize("cf", [0.0, -1.0])
+def test_layer_with_bad_capacity_factor_fails_by_the_first_forward(cf):
+    """Whenever it is caught, a factor ≤ 0 is a ValueError, not a silent empty layer."""
+    with pytest.raises(ValueError):
+        layer = moe.MoELayer(H, FFN, 4, 2, cf)
+        layer(torch.randn(3, H))
 
 
 def test_layer_shapes_and_parameters():
