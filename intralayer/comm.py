@@ -269,6 +269,48 @@ def ring_exchange_start(tensors: list[torch.Tensor], shift: int = 1, group=None,
         "send", group, elements, itemsize, nbytes, phase, label, secs, peers))
 
 
+def all_gather_start(x: torch.Tensor, dim: int = 0, group=None, label: str = "",
+                     phase: str = "forward") -> PendingExchange:
+    """Start an all-gather along ``dim`` and return at once; ``wait()`` gives ``[gathered]``.
+
+    No autograd (a building block of the overlapped matmuls in :mod:`intralayer.overlap`).
+    Recorded like :func:`all_gather`, with the time from start to the end of the wait.
+    """
+    n = _size(group)
+    dim = _check_dim(x, dim)
+    src = x.movedim(dim, 0).contiguous()                                           # (d, ...)
+    out = torch.empty((n * src.shape[0], *src.shape[1:]), dtype=x.dtype, device=x.device)
+    work = _gather_single(out, src, group=group, async_op=True)
+    done = [out.movedim(0, dim)]
+    return PendingExchange([work], done, lambda secs: _record(
+        "all_gather", group, out.numel(), x.element_size(),
+        bus_factor("all_gather", n) * out.numel() * x.element_size(), phase, label, secs))
+
+
+def reduce_scatter_start(x: torch.Tensor, dim: int = 0, group=None, label: str = "",
+                         phase: str = "forward") -> PendingExchange:
+    """Start a reduce-scatter (sum) along ``dim``; ``wait()`` gives ``[this rank's chunk]``."""
+    n = _size(group)
+    dim = _divisible(x, dim, group, f"reduce_scatter ({label})" if label else "reduce_scatter")
+    src = x.movedim(dim, 0).contiguous()                                           # (n·d, ...)
+    out = torch.empty((src.shape[0] // n, *src.shape[1:]), dtype=x.dtype, device=x.device)
+    work = _scatter_single(out, src, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    done = [out.movedim(0, dim)]
+    return PendingExchange([work], done, lambda secs: _record(
+        "reduce_scatter", group, x.numel(), x.element_size(),
+        bus_factor("reduce_scatter", n) * x.numel() * x.element_size(), phase, label, secs))
+
+
+def all_reduce_start(x: torch.Tensor, group=None, label: str = "", phase: str = "forward") -> PendingExchange:
+    """Start an all-reduce (sum) of a copy of ``x``; ``wait()`` gives ``[the sum]``."""
+    n = _size(group)
+    out = x.contiguous().clone()
+    work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return PendingExchange([work], [out], lambda secs: _record(
+        "all_reduce", group, x.numel(), x.element_size(),
+        bus_factor("all_reduce", n) * x.numel() * x.element_size(), phase, label, secs))
+
+
 def sendrecv(x: torch.Tensor, dst: int, src: int, recv_shape: tuple[int, ...] | None = None,
              group=None, label: str = "") -> torch.Tensor:
     """Send ``x`` to group rank ``dst`` and receive a tensor of ``recv_shape`` from ``src``.
