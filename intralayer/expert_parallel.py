@@ -36,10 +36,18 @@ from .moe import MoELayer, Route, topk_route
 
 def check_placement(experts: int, P: int) -> None:
     """``ValueError`` unless the experts split evenly over the P ranks."""
-    if not isinstance(P, int) or P < 1:
+    if not isinstance(P, int) or isinstance(P, bool) or P < 1:
         raise ValueError(f"the expert-parallel degree P must be a whole number ≥ 1, got {P!r}")
     if experts % P:
         raise ValueError(f"{experts} experts do not split evenly over P={P} ranks")
+
+
+def check_nodes(P: int, nodes: int) -> None:
+    """``ValueError`` unless the P ranks form ``nodes`` equal nodes."""
+    if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
+        raise ValueError(f"the number of nodes must be a whole number ≥ 1, got {nodes!r}")
+    if P % nodes:
+        raise ValueError(f"{P} ranks do not split evenly into {nodes} nodes")
 
 
 def owner(expert: torch.Tensor, experts: int, P: int) -> torch.Tensor:
@@ -179,8 +187,9 @@ def simulate(logits_per_rank: list[torch.Tensor], k: int, capacity_factor: float
     """
     E = logits_per_rank[0].shape[-1]
     check_placement(E, P)
-    if P % nodes:
-        raise ValueError(f"{P} ranks do not split evenly into {nodes} nodes")
+    check_nodes(P, nodes)
+    if len(logits_per_rank) != P:
+        raise ValueError(f"simulate needs one logits matrix per rank: {len(logits_per_rank)} for P={P}")
     if node_limit is not None and not 1 <= node_limit <= nodes:
         raise ValueError(f"node limit M={node_limit} must lie between 1 and the {nodes} nodes")
     traffic = np.zeros((P, P), dtype=np.int64)
@@ -200,6 +209,7 @@ def alltoall_seconds(bytes_matrix: np.ndarray, intra: float, inter: float, nodes
     slowest rank's intra-node bytes over ``intra`` plus inter-node bytes over ``inter``
     (bytes/s), whichever pair of sends and receives is largest."""
     P = bytes_matrix.shape[0]
+    check_nodes(P, nodes)
     node = np.arange(P) // (P // nodes)
     same = node[:, None] == node[None, :]
     t_send = (bytes_matrix * same).sum(1) / intra + (bytes_matrix * ~same).sum(1) / inter
@@ -264,7 +274,7 @@ def timed_forward(layer: ExpertParallelMoE, x: torch.Tensor, micro_batches: int 
     events, t0 = [], time.perf_counter()
     now = lambda: time.perf_counter() - t0
     with torch.no_grad():
-        chunks = x.chunk(micro_batches)
+        chunks = x.tensor_split(micro_batches)                # exactly micro_batches pieces
         preps = [_prepare(layer, c) for c in chunks]
         outs = [torch.zeros_like(c) for c in chunks]
 
@@ -333,8 +343,7 @@ def hierarchical_forward(layer: ExpertParallelMoE, x: torch.Tensor, nodes: int) 
     recorded with labels ``"inter-node …"`` and ``"intra-node …"``.
     """
     P, r = layer.P, layer.rank
-    if P % nodes:
-        raise ValueError(f"{P} ranks do not split evenly into {nodes} nodes")
+    check_nodes(P, nodes)
     m, g, h = P // nodes, layer.group, layer.hidden
     with torch.no_grad():
         route = topk_route(layer.router(x), layer.k, layer.capacity_factor, None, layer.groups, layer.top_groups)
@@ -401,6 +410,9 @@ def node_traffic(logits_per_rank: list[torch.Tensor], k: int, capacity_factor: f
     (token, remote node) (node-aware dispatch), over all ranks' tokens."""
     E = logits_per_rank[0].shape[-1]
     check_placement(E, P)
+    check_nodes(P, nodes)
+    if len(logits_per_rank) != P:
+        raise ValueError(f"node_traffic needs one logits matrix per rank: {len(logits_per_rank)} for P={P}")
     m = P // nodes
     per_assignment = per_node = 0
     for i, logits in enumerate(logits_per_rank):
