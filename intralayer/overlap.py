@@ -31,27 +31,25 @@ from . import comm
 
 # ---------------------------------------------------------------------------- timeline
 
-_timelines: list[list] = []
-_t0 = [0.0]
+_timelines: list[tuple[list, float]] = []      # (events, the block's start)
 
 
 @contextmanager
 def timeline():
     """Record ``(kind, label, start, end)`` events (seconds from the block's start) on this rank."""
-    events: list = []
-    _timelines.append(events)
-    _t0[0] = time.perf_counter()
+    entry = ([], time.perf_counter())
+    _timelines.append(entry)
     try:
-        yield events
+        yield entry[0]
     finally:
-        _timelines.remove(events)
+        _timelines.remove(entry)
 
 
 def _event(kind: str, label: str, start: float) -> None:
     if _timelines:
         now = time.perf_counter()
-        for events in _timelines:
-            events.append((kind, label, start - _t0[0], now - _t0[0]))
+        for events, t0 in _timelines:
+            events.append((kind, label, start - t0, now - t0))
 
 
 def _now() -> float:
@@ -60,17 +58,21 @@ def _now() -> float:
 
 # ---------------------------------------------------------------------------- checks
 
-def _check(x: torch.Tensor, weight: torch.Tensor, dim: int, chunks: int, who: str, in_features: int) -> int:
+def _check(x: torch.Tensor, weight: torch.Tensor, dim: int, chunks: int, who: str) -> int:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1:
         raise ValueError(f"{who}: x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"{who}: weight must be a (out_features, in_features) matrix")
+    in_features = weight.shape[1]
     if x.shape[-1] != in_features:
         raise ValueError(f"{who}: x's last dimension {x.shape[-1]} does not match the weight's "
                          f"in_features {in_features}")
     if x.dtype != weight.dtype or x.device != weight.device:
-        raise ValueError(f"{who}: x is {x.dtype} on {x.device}, the weight {weight.dtype} on {weight.device}")
-    dim = comm._check_dim(x, dim)
+        raise ValueError(f"{who}: x and the weight must share dtype and device: x is {x.dtype} on {x.device}, "
+                         f"the weight {weight.dtype} on {weight.device}")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"{who}: dim={dim} is out of range for a tensor with {x.dim()} dimensions")
+    dim = dim % x.dim()
     if dim == x.dim() - 1:
         raise ValueError(f"{who}: dim={dim} is the feature dimension; gather or scatter tokens or sequence")
     if not isinstance(chunks, numbers.Integral) or isinstance(chunks, bool) or chunks < 1:
@@ -171,14 +173,14 @@ class _MatmulReduceScatter(torch.autograd.Function):
 def allgather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, group, chunks: int, dim: int = 0) -> torch.Tensor:
     """``F.linear(all_gather(x_shard, dim), weight)`` with the all-gather cut into ``chunks``
     pieces, each multiplied as soon as it arrives while the next is in flight."""
-    dim = _check(x_shard, weight, dim, chunks, "allgather_matmul", weight.shape[1])
+    dim = _check(x_shard, weight, dim, chunks, "allgather_matmul")
     return _AllGatherMatmul.apply(x_shard, weight, group, int(chunks), dim)
 
 
 def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, chunks: int, dim: int = 0) -> torch.Tensor:
     """``reduce_scatter(F.linear(x, weight), dim)`` computed in ``chunks`` pieces, each
     reduce-scattered while the next one is computed."""
-    dim = _check(x, weight, dim, chunks, "matmul_reduce_scatter", weight.shape[1])
+    dim = _check(x, weight, dim, chunks, "matmul_reduce_scatter")
     return _MatmulReduceScatter.apply(x, weight, group, int(chunks), dim)
 
 
@@ -192,6 +194,8 @@ def mlp_microbatches(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, grou
     Overlapped: a micro-batch's all-reduce is started and left in flight while the next
     micro-batch multiplies. ``fc1`` is this rank's (ffn/t, h) slice, ``fc2`` its (h, ffn/t).
     """
+    if not isinstance(micro_batches, numbers.Integral) or isinstance(micro_batches, bool) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be a whole number ≥ 1, got {micro_batches!r}")
     if x.shape[0] % micro_batches:
         raise ValueError(f"{x.shape[0]} rows do not split into {micro_batches} micro-batches")
     outs, pending = [], []
@@ -232,11 +236,16 @@ def model_times(t: int, h: int, tokens: int, chunks: int, bandwidth: float, flop
         raise ValueError(f"{tokens} tokens do not split into t={t} ranks × {chunks} chunks")
     if not (bandwidth > 0 and flops > 0):
         raise ValueError("bandwidth and FLOP rate must be > 0")
+    if alpha < 0 or overhead < 0:
+        raise ValueError(f"latency α={alpha} and per-chunk overhead {overhead} must be ≥ 0 seconds")
+    if not isinstance(itemsize, numbers.Integral) or itemsize < 1:
+        raise ValueError(f"itemsize must be a whole number of bytes ≥ 1, got {itemsize!r}")
     comm_c = (alpha + (t - 1) / t * tokens * h * itemsize / chunks / bandwidth) if t > 1 else 0.0
     comp_c = 2 * tokens * h * 4 * h / t / flops / chunks + overhead
     sequential = chunks * comm_c + chunks * comp_c
     overlapped = comm_c + (chunks - 1) * max(comm_c, comp_c) + comp_c
     comm_total = chunks * comm_c
     exposed = overlapped - chunks * comp_c
+    hidden = 0.0 if comm_total == 0 or chunks == 1 else max(0.0, min(1.0, 1 - exposed / comm_total))
     return dict(sequential=sequential, overlapped=overlapped, compute=chunks * comp_c, comm=comm_total,
-                hidden=0.0 if comm_total == 0 else max(0.0, min(1.0, 1 - exposed / comm_total)))
+                hidden=hidden)

@@ -24,10 +24,10 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.testing import assert_close
 
 from intralayer import comm, distributed
 from intralayer import context_parallel as cp
+from tests.programs.checks import expect, close, raises
 
 MARKER = "CP CHECKS PASSED on ranks:"
 FLOAT64_RING_MARKER = "CP FLOAT64 RING PASSED on ranks:"
@@ -35,28 +35,6 @@ METHODS = ("ring contiguous", "ring zigzag", "ulysses")
 
 
 # ---------------------------------------------------------------------------- helpers
-
-def expect(cond, what):
-    if not cond:
-        raise AssertionError(what)
-
-
-def close(got, want, what, **tol):
-    """``assert_close``: the dtype's default tolerances unless ``rtol``/``atol`` are given."""
-    assert_close(got, want, msg=lambda m: f"{what}: {m}", **tol)
-
-
-def raises(fn, *words, what):
-    """``fn()`` must raise ValueError whose message contains every one of ``words``."""
-    try:
-        fn()
-    except ValueError as e:
-        message = str(e)
-        for word in words:
-            expect(word in message, f"{what}: the message {message!r} does not mention {word!r}")
-        return message
-    raise AssertionError(f"{what}: no ValueError was raised")
-
 
 def randn(*shape, seed: int, dtype=torch.float32) -> torch.Tensor:
     """The same tensor on every rank (drawn in float64, then cast)."""

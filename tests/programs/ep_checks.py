@@ -41,11 +41,11 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.testing import assert_close
 
 from intralayer import comm, distributed
 from intralayer import expert_parallel as ep
 from intralayer.moe import MoELayer, topk_route
+from tests.programs.checks import expect, close, raises
 
 MARKER = "EP CHECKS PASSED on ranks:"
 MICRO_MARKER = "EP MICRO-BATCHES PASSED on ranks:"
@@ -55,29 +55,6 @@ KINDS = ("dispatch", "experts", "combine")
 
 
 # ---------------------------------------------------------------------------- helpers
-
-def expect(cond, what):
-    if not cond:
-        raise AssertionError(what)
-
-
-def close(got, want, what):
-    """``assert_close`` at the dtype's default tolerances (float32: rtol 1.3e-6, atol 1e-5)."""
-    expect(got is not None, f"{what}: got None")
-    assert_close(got, want, msg=lambda m: f"{what}: {m}")
-
-
-def raises(fn, *words, what):
-    """``fn()`` must raise ValueError whose message contains every one of ``words``."""
-    try:
-        fn()
-    except ValueError as e:
-        message = str(e)
-        for word in words:
-            expect(word in message, f"{what}: the message {message!r} does not mention {word!r}")
-        return message
-    raise AssertionError(f"{what}: no ValueError was raised")
-
 
 def per_rank(values, P):
     """The first P entries of ``values``, repeated if P is larger."""

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from intralayer import comm, distributed, overlap
+from tests.programs.checks import expect, raises
 
 MARKER = "OVERLAP CHECKS PASSED on ranks:"
 DTYPES = (torch.float32, torch.float64)
@@ -41,31 +42,12 @@ DTYPES = (torch.float32, torch.float64)
 
 # ---------------------------------------------------------------------------- helpers
 
-def expect(cond, what):
-    if not cond:
-        raise AssertionError(what)
-
-
 def close(got, want, what, **tol):
     """``assert_close`` at the dtype's default tolerances unless ``rtol``/``atol`` are given."""
     expect(got is not None, f"{what}: got None")
     expect(got.dtype == want.dtype, f"{what}: dtype {got.dtype}, want {want.dtype}")
     expect(tuple(got.shape) == tuple(want.shape), f"{what}: shape {tuple(got.shape)}, want {tuple(want.shape)}")
     assert_close(got, want, msg=lambda m: f"{what}: {m}", **tol)
-
-
-def raises(fn, *words, what):
-    """``fn()`` must raise ValueError naming every one of ``words``, having issued no collective."""
-    with comm.accounting() as acc:
-        try:
-            fn()
-        except ValueError as e:
-            message = str(e)
-            for word in words:
-                expect(word in message, f"{what}: the message {message!r} does not mention {word!r}")
-            expect(not acc.records, f"{what}: {len(acc.records)} collectives issued before the error")
-            return message
-    raise AssertionError(f"{what}: no ValueError was raised")
 
 
 def randn(*shape, seed: int, dtype=torch.float32) -> torch.Tensor:

@@ -17,12 +17,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.testing import assert_close
 
 from intralayer import comm, distributed, memory, model
 from intralayer.sequence_parallel import (ParallelBlock, SequenceParallelColumnLinear,
                                           SequenceParallelRowLinear)
 from intralayer.tensor_parallel import expected_shards
+from tests.programs.checks import expect, close, raises, dense_run
 
 MARKER = "SP CHECKS PASSED on ranks:"
 S, B, H, HEADS = 8, 2, 16, 4      # s, heads and h divisible by 2 and by 4
@@ -32,38 +32,9 @@ LAYOUTS = [  # (sequence_parallel, keep_gathered)
 ]
 
 
-def close(got, want, what):
-    """float32 default tolerances of torch.testing.assert_close."""
-    assert_close(got, want, msg=lambda m: f"{what}: {m}")
-
-
-def expect(cond, what):
-    if not cond:
-        raise AssertionError(what)
-
-
 def randn(*shape, seed: int, dtype=torch.float32) -> torch.Tensor:
     """The same tensor on every rank."""
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
-
-
-def raises(fn, *words, what):
-    """``fn()`` must raise ValueError whose message contains every one of ``words``."""
-    try:
-        fn()
-    except ValueError as e:
-        message = str(e)
-        for word in words:
-            expect(word in message, f"{what}: the message {message!r} does not mention {word!r}")
-        return message
-    raise AssertionError(f"{what}: no ValueError was raised")
-
-
-def dense_run(dense, x, upstream):
-    leaf = x.clone().requires_grad_()
-    out = dense(leaf)
-    out.backward(upstream)
-    return out.detach(), leaf.grad
 
 
 def piece_of(sp: bool, n: int, r: int):

@@ -17,51 +17,21 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.testing import assert_close
 
 from intralayer import comm, distributed, model
 from intralayer.tensor_parallel import (ColumnParallelLinear, ParallelAttention, ParallelBlock, ParallelGPT,
                                         ParallelMLP, RowParallelLinear, VocabParallelEmbedding,
                                         expected_shards, vocab_parallel_cross_entropy, weights_per_device)
+from tests.programs.checks import expect, close, raises, dense_run
 
 MARKER = "TP CHECKS PASSED on ranks:"
 S, B, H, HEADS, VOCAB = 4, 2, 16, 4, 32     # every split size divisible by 2 and 4
 WIDE = 24                                   # a linear layer's other side, ≠ H to catch transposes
 
 
-def close(got, want, what):
-    """float32 default tolerances of torch.testing.assert_close."""
-    assert_close(got, want, msg=lambda m: f"{what}: {m}")
-
-
-def expect(cond, what):
-    if not cond:
-        raise AssertionError(what)
-
-
 def randn(*shape, seed: int) -> torch.Tensor:
     """The same tensor on every rank."""
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def raises(fn, *words, what):
-    """``fn()`` must raise ValueError whose message contains every one of ``words``."""
-    try:
-        fn()
-    except ValueError as e:
-        message = str(e)
-        for word in words:
-            expect(word in message, f"{what}: the message {message!r} does not mention {word!r}")
-        return message
-    raise AssertionError(f"{what}: no ValueError was raised")
-
-
-def dense_run(dense, x, upstream):
-    """Forward and backward of the dense twin; returns output and input gradient."""
-    leaf = x.clone().requires_grad_()
-    out = dense(leaf)
-    out.backward(upstream)
-    return out.detach(), leaf.grad
 
 
 # ---------------------------------------------------------------------------- linear layers
