@@ -90,3 +90,17 @@ def test_deepseek_v3_published_layout_is_valid():
                 zero=1)
     assert pl.gpus == 2048 and pl.comm_bytes["ep"] > 0 and pl.comm_bytes["tp"] == 0
     assert moe.DEEPSEEK_V3.layers == 61
+
+
+def test_mesh_demo_matches_the_dense_model_on_a_2x2_grid():
+    """TP+SP within tp pairs, EP across dp pairs, DP over batches: output and every gradient."""
+    from intralayer import launch
+    result = launch.run("intralayer.programs.mesh_demo", 4, timeout=120, show=False)
+    assert "all checks passed on every rank" in result.output
+    assert "(1, 1)" in result.output
+
+
+def test_mesh_demo_refuses_a_grid_it_cannot_form():
+    from intralayer import launch
+    with pytest.raises(launch.LaunchError, match="2 × 2 grid"):
+        launch.run("intralayer.programs.mesh_demo", 2, timeout=60, show=False)
