@@ -101,6 +101,10 @@ CLUSTERS = {
     "1024× H100 (128 nodes of 8, InfiniBand)": Cluster(
         "1024× H100 (128 nodes of 8, InfiniBand)", gpus=1024, gpus_per_node=8, memory=80e9, intra=450e9,
         inter=50e9, peak=989e12, source="NVIDIA H100 datasheet; ConnectX-7 NDR 400 Gb/s, one NIC per GPU"),
+    "A100 cluster (nodes of 8, InfiniBand HDR)": Cluster(
+        "A100 cluster (nodes of 8, InfiniBand HDR)", gpus=4096, gpus_per_node=8, memory=80e9, intra=300e9,
+        inter=25e9, peak=312e12, source="NVIDIA A100 datasheet: 80 GB, 312 TFLOP/s dense bf16, 600 GB/s NVLink "
+                                        "both ways; HDR InfiniBand 200 Gb/s, one NIC per GPU"),
     "GB200 NVL72 (one rack)": Cluster(
         "GB200 NVL72 (one rack)", gpus=72, gpus_per_node=72, memory=186e9, intra=900e9, inter=50e9,
         peak=2.5e15, source="NVIDIA GB200 NVL72 (vendor figures): about 13.4 TB of HBM3e over 72 GPUs, "
@@ -192,7 +196,8 @@ def check_layout(m: Model, c: Cluster, tp=1, sp=False, cp=1, ep=1, pp=1, dp=1, m
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
 
 
-def layer_activation_bytes(m: Model, s: int, b: int, tp: int, sp: bool, recompute: str, moe_layer: bool) -> float:
+def layer_activation_bytes(m: Model, s: int, b: int, tp: int, sp: bool, recompute: str, moe_layer: bool,
+                           fused: bool = True) -> float:
     """One layer's activations on one GPU (bf16, fused attention), Korthikanti's terms adjusted.
 
     Grouped-query attention keeps K and V at ``kv_heads/heads`` of Q's size; the MLP keeps
@@ -200,7 +205,7 @@ def layer_activation_bytes(m: Model, s: int, b: int, tp: int, sp: bool, recomput
     width: ``ffn`` per matrix of the up-projection (SwiGLU has two) and the down-projection's
     input, times ``k`` experts per token (+ shared) in an MoE layer.
     """
-    terms = activation_terms(s, b, m.hidden, m.heads, t=tp, sp=sp, recompute=recompute, fused=True)
+    terms = activation_terms(s, b, m.hidden, m.heads, t=tp, sp=sp, recompute=recompute, fused=fused)
     if recompute == "full":
         return float(sum(terms.values()))
     sbh = s * b * m.hidden * 2 / tp                                                   # one (s, b, h/t) bf16 tensor
@@ -216,12 +221,14 @@ def layer_activation_bytes(m: Model, s: int, b: int, tp: int, sp: bool, recomput
 
 def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int = 1, ep: int = 1, pp: int = 1,
          dp: int = 1, micro_batch: int = 1, seq_len: int = 2048, recompute: str = "none", zero: int = 0,
-         global_batch: int | None = None, efficiency: float = 0.5) -> Plan:
+         global_batch: int | None = None, efficiency: float = 0.5, fused: bool = True) -> Plan:
     """Memory, traffic and time per GPU for ``model`` on ``cluster`` with this layout.
 
     A step processes ``global_batch`` sequences of ``seq_len`` tokens (default: 8
     micro-batches per pipeline, at least ``pp``), so layouts of the same cluster can be
-    compared on the same work. ``efficiency`` is the assumed sustained fraction of peak.
+    compared on the same work. ``efficiency`` is the assumed sustained fraction of peak;
+    ``fused=False`` counts attention's s×s tensors as Korthikanti et al. did (no
+    FlashAttention-style kernel).
     """
     m, c = model, cluster
     check_layout(m, c, tp, sp, cp, ep, pp, dp, micro_batch, seq_len, recompute, zero)
@@ -251,8 +258,8 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
     # --- activations: L layers' worth on the first stage (1F1B), sequence s/cp
     s_local = seq_len // cp
     moe_layers = m.layers - m.dense_layers if m.is_moe else 0
-    per_dense = layer_activation_bytes(m, s_local, micro_batch, tp, sp, recompute, False)
-    per_moe = layer_activation_bytes(m, s_local, micro_batch, tp, sp, recompute, True) if m.is_moe else 0.0
+    per_dense = layer_activation_bytes(m, s_local, micro_batch, tp, sp, recompute, False, fused)
+    per_moe = layer_activation_bytes(m, s_local, micro_batch, tp, sp, recompute, True, fused) if m.is_moe else 0.0
     stage = math.ceil(m.layers / pp)                                                    # the fullest stage's layers
     share = stage / m.layers
     activations = ((m.layers - moe_layers) * per_dense + moe_layers * per_moe) * share * min(pp, mb)
@@ -295,7 +302,8 @@ def search(model: Model, cluster: Cluster, seq_len: int = 4096, global_batch: in
     """Every valid layout on ``gpus`` GPUs (the whole cluster by default) that fits memory,
     fastest first, all doing the same work per step (``global_batch`` sequences). Degrees
     run over divisors, tp within a node; sequence parallelism is on whenever tp > 1 and
-    ZeRO-1 always; recomputation none, selective or full."""
+    ZeRO-1 always; recomputation none or full (with the fused attention the planner
+    assumes, selective recomputation keeps exactly what no recomputation keeps)."""
     n = cluster.gpus if gpus is None else gpus
     divisors = [d for d in range(1, n + 1) if n % d == 0]
     found = []
@@ -306,7 +314,7 @@ def search(model: Model, cluster: Cluster, seq_len: int = 4096, global_batch: in
                     continue
                 dp = n // (tp * cp * pp)
                 for ep in ([e for e in divisors if (dp * cp) % e == 0] if model.is_moe else [1]):
-                    for recompute in ("none", "selective", "full"):
+                    for recompute in ("none", "full"):       # fused attention: "selective" saves nothing more
                         kw = dict(tp=tp, sp=tp > 1, cp=cp, ep=ep, pp=pp, dp=dp, micro_batch=micro_batch,
                                   seq_len=seq_len, recompute=recompute, zero=1, global_batch=global_batch)
                         try:

@@ -1,4 +1,4 @@
-"""intralayer.planner (chapter 08, in progress): presets, the rules, and the arithmetic."""
+"""intralayer.planner (chapter 08): presets, the rules, and the arithmetic."""
 from __future__ import annotations
 
 import math
@@ -104,3 +104,24 @@ def test_mesh_demo_refuses_a_grid_it_cannot_form():
     from intralayer import launch
     with pytest.raises(launch.LaunchError, match="2 × 2 grid"):
         launch.run("intralayer.programs.mesh_demo", 2, timeout=60, show=False)
+
+
+def test_the_chapter_explorer_grid_answers_or_explains():
+    """Every combination of chapter 08's explorer gives a plan or a ValueError naming a rule."""
+    import dataclasses
+    import itertools
+    answered = refused = 0
+    for name, cluster, tp, cp, ep, pp, rc in itertools.product(
+            P.MODELS, ["1024× H100 (128 nodes of 8, InfiniBand)", "GB200 NVL72 (one rack)"], [1, 2, 4, 8], [1, 2, 4],
+            [1, 8, 64], [1, 2, 4, 8], ["none", "selective", "full"]):
+        c = dataclasses.replace(P.CLUSTERS[cluster], gpus=64)
+        dp = 64 // (tp * cp * pp)
+        try:
+            pl = P.plan(P.MODELS[name], c, tp=tp, sp=tp > 1, cp=cp, ep=ep, pp=pp, dp=dp, seq_len=8192,
+                        recompute=rc, zero=1, global_batch=max(64, dp * pp))
+            assert pl.memory_bytes["total"] > 0 and pl.time["total"] > 0 and 0 < pl.mfu < 1
+            answered += 1
+        except ValueError as err:
+            assert str(err)
+            refused += 1
+    assert answered and refused

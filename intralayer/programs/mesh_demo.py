@@ -1,4 +1,4 @@
-"""Chapter 08 (in progress): two kinds of parallelism at once on one rank grid, checked against the dense model.
+"""Chapter 08: two kinds of parallelism at once on one rank grid, checked against the dense model.
 
 Four ranks form a 2 × 2 grid, ``(dp, tp)``: rank = 2·dp_index + tp_index, built with
 ``torch.distributed.device_mesh.init_device_mesh``. The model is a GPT block followed by
