@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -155,7 +155,6 @@ class Simulation:
     dropped: int
     assignments: int
     nodes: int
-    extra: dict = field(default_factory=dict)
 
     @property
     def straggler(self) -> float:

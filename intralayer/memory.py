@@ -12,11 +12,12 @@ keeps, leaving out the parameters.
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, field
 from fractions import Fraction
 
 import torch
+
+from .rules import whole as _whole
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -44,12 +45,6 @@ _TERMS = (
     ("MLP dropout mask", "MLP", ("sbh", 1), "mask", "rep"),
 )
 TERM_NAMES = tuple(name for name, *_ in _TERMS)
-
-
-def _whole(value, what: str) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{what} must be a whole number ≥ 1, got {value!r}")
-    return int(value)
 
 
 def _check(s, b, h, a, t, sp, recompute) -> None:

@@ -15,12 +15,13 @@
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .rules import whole as _whole
 
 
 # ---------------------------------------------------------------------------- configurations
@@ -113,12 +114,6 @@ def count_params(config: MoEConfig) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------- routing
-
-def _whole(value, what: str, minimum: int = 1) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{what} must be a whole number ≥ {minimum}, got {value!r}")
-    return int(value)
-
 
 def capacity(tokens: int, experts: int, k: int, capacity_factor: float) -> int:
     """Assignments one expert accepts: ``ceil(capacity_factor · tokens · k / experts)``.

@@ -18,7 +18,6 @@ the cost model of sequential and overlapped execution.
 """
 from __future__ import annotations
 
-import math
 import numbers
 import time
 from contextlib import contextmanager

@@ -33,10 +33,10 @@ MLA's exact activation shapes, and load imbalance between experts.
 from __future__ import annotations
 
 import math
-import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from . import moe
+from .rules import whole as _whole
 from .comm import bus_factor
 from .memory import RECOMPUTE, activation_terms
 
@@ -147,17 +147,10 @@ class Plan:
     time: dict
     mfu: float
     gpus: int
-    notes: list = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
         return self.memory_bytes["total"] <= self.memory_bytes["capacity"]
-
-
-def _whole(value, what: str) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{what} must be a whole number ≥ 1, got {value!r}")
-    return int(value)
 
 
 def check_layout(m: Model, c: Cluster, tp=1, sp=False, cp=1, ep=1, pp=1, dp=1, micro_batch=1, seq_len=2048,

@@ -23,7 +23,6 @@ columns of A" (with ``Y = X A``) is a split of the weight's *rows*.
 from __future__ import annotations
 
 import copy
-import numbers
 
 import torch
 import torch.distributed as dist
@@ -31,16 +30,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import comm
-from .model import Attention, Block, TinyGPT, attend, check_shape
+from .rules import whole as _whole
+from .model import Attention, Block, TinyGPT, check_shape
 
 
 # ---------------------------------------------------------------------------- rules
-
-def _whole(value, what: str) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{what} must be a whole number ≥ 1, got {value!r}")
-    return int(value)
-
 
 def check_divisible(value: int, t: int, what: str) -> None:
     """``ValueError`` naming the rule unless the tensor-parallel degree ``t`` divides ``value``."""
