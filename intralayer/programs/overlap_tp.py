@@ -18,9 +18,8 @@ Laptop (gloo, CPU)::
 
     torchrun --standalone --nproc-per-node 2 -m intralayer.programs.overlap_tp --time
 
-One GPU node (NCCL), where the overlap has engines to run on::
-
-    torchrun --standalone --nproc-per-node 8 -m intralayer.programs.overlap_tp --time --tokens 8192 --hidden 4096
+On GPUs: not yet — its tensors are built on the CPU, so it runs on gloo only (the place
+where overlap would pay; making it device-agnostic is open work).
 """
 from __future__ import annotations
 
