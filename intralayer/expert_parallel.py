@@ -231,7 +231,7 @@ def _prepare(layer: ExpertParallelMoE, x: torch.Tensor):
     P, n = layer.P, layer.local_experts
     route = topk_route(layer.router(x), layer.k, layer.capacity_factor, None, layer.groups, layer.top_groups)
     T = x.shape[0]
-    token = torch.arange(T).unsqueeze(1).expand(T, layer.k)[route.kept]
+    token = torch.arange(T, device=x.device).unsqueeze(1).expand(T, layer.k)[route.kept]
     expert = route.expert_index[route.kept]
     weight = route.weights[route.kept]
     order = torch.argsort(expert, stable=True)
@@ -244,14 +244,14 @@ def _prepare(layer: ExpertParallelMoE, x: torch.Tensor):
 
 
 def _start_alltoall(src, send, recv, group):
-    out = torch.empty(sum(recv), src.shape[1], dtype=src.dtype)
+    out = torch.empty(sum(recv), src.shape[1], dtype=src.dtype, device=src.device)
     work = dist.all_to_all_single(out, src, recv, send, group=group, async_op=True)
     return out, work
 
 
 def _run_experts(layer: ExpertParallelMoE, arrived: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
     P, n = layer.P, layer.local_experts
-    blocks = list(torch.arange(arrived.shape[0]).split(per_expert.flatten().tolist()))
+    blocks = list(torch.arange(arrived.shape[0], device=arrived.device).split(per_expert.flatten().tolist()))
     out = torch.zeros_like(arrived)
     for e in range(n):
         idx = torch.cat([blocks[s * n + e] for s in range(P)])
@@ -346,8 +346,8 @@ def hierarchical_forward(layer: ExpertParallelMoE, x: torch.Tensor, nodes: int) 
     m, g, h = P // nodes, layer.group, layer.hidden
     with torch.no_grad():
         route = topk_route(layer.router(x), layer.k, layer.capacity_factor, None, layer.groups, layer.top_groups)
-        T = x.shape[0]
-        token = torch.arange(T).unsqueeze(1).expand(T, layer.k)[route.kept]
+        T, dev = x.shape[0], x.device
+        token = torch.arange(T, device=dev).unsqueeze(1).expand(T, layer.k)[route.kept]
         expert = route.expert_index[route.kept]
         weight = route.weights[route.kept]
         node = owner(expert, layer.E, P) // m
@@ -364,15 +364,15 @@ def hierarchical_forward(layer: ExpertParallelMoE, x: torch.Tensor, nodes: int) 
         a_counts = [0] * P
         for n_, c in zip(*torch.unique(node, return_counts=True)):
             a_counts[int(n_) * m + r % m] = int(c)
-        start = torch.tensor([0] + counts).cumsum(0)[:-1]                        # first copy index per gateway
+        start = torch.tensor([0] + counts, device=dev).cumsum(0)[:-1]            # first copy index per gateway
         local_copy = copy_of[order] - start[copy_node[copy_of[order]] * m + r % m]
         meta = torch.stack([local_copy.float(), expert[order].float(), weight[order]], 1)
         meta = _exchange(meta, a_counts, g, "inter-node routing")                  # (A', 3)
         # where each received assignment's copy sits in `copies`: sources arrive in rank order
         src_counts = _received_counts(counts, g)
         src_assign = _received_counts(a_counts, g)
-        copy_base = torch.tensor([0] + src_counts).cumsum(0)[:-1]
-        src_of = torch.repeat_interleave(torch.arange(P), torch.tensor(src_assign))
+        copy_base = torch.tensor([0] + src_counts, device=dev).cumsum(0)[:-1]
+        src_of = torch.repeat_interleave(torch.arange(P, device=dev), torch.tensor(src_assign, device=dev))
         copy_idx = meta[:, 0].long() + copy_base[src_of]
         exp_ids, w = meta[:, 1].long(), meta[:, 2]
         # stage 2: inside the node, one vector per assignment to the expert's owner

@@ -24,7 +24,9 @@ Laptop (gloo, CPU)::
 
     torchrun --standalone --nproc-per-node 4 -m intralayer.programs.ep_moe
 
-On GPUs: not yet — some tensors are still built on the CPU, so it runs on gloo only.
+One GPU node (NCCL) — written to be device-agnostic, not yet run on GPUs by the course::
+
+    torchrun --standalone --nproc-per-node 8 -m intralayer.programs.ep_moe --tokens 4096
 """
 from __future__ import annotations
 
@@ -50,13 +52,13 @@ def _diff(got, want) -> float:
 
 def correctness(d, E, k, cf, shared, tokens, seed) -> dict:
     """ExpertParallelMoE on this rank's tokens against the dense layer on every rank's tokens."""
-    P, r = d.world_size, d.rank
+    P, r, dev = d.world_size, d.rank, d.device
     torch.manual_seed(seed)
-    dense = MoELayer(HIDDEN, FFN, E, k, cf, shared=shared)
+    dense = MoELayer(HIDDEN, FFN, E, k, cf, shared=shared).to(dev)
     layer = ep.ExpertParallelMoE.from_dense(dense, d.group)
     g = torch.Generator().manual_seed(seed + 1)
-    xs = [torch.randn(t, HIDDEN, generator=g) + torch.linspace(0, 2, HIDDEN) for t in tokens]
-    dys = [torch.randn(t, HIDDEN, generator=g) for t in tokens]
+    xs = [(torch.randn(t, HIDDEN, generator=g) + torch.linspace(0, 2, HIDDEN)).to(dev) for t in tokens]
+    dys = [torch.randn(t, HIDDEN, generator=g).to(dev) for t in tokens]
     ref_out = ref_dx = ref_router = None
     for i, (x, dy) in enumerate(zip(xs, dys)):                # the dense layer, rank by rank
         before = None if dense.router.weight.grad is None else dense.router.weight.grad.clone()
@@ -86,35 +88,35 @@ CASES = [  # E, k, capacity factor, shared expert, tokens per rank (first P entr
 
 def traffic(d, E, k, cf, T, skew, seed, node_limit=None, nodes=1, bias=None) -> dict:
     """One forward on T tokens per rank; the measured dispatch bytes to each rank, and the simulation."""
-    P, r = d.world_size, d.rank
+    P, r, dev = d.world_size, d.rank, d.device
     torch.manual_seed(seed)
-    dense = MoELayer(HIDDEN, FFN, E, k, cf, groups=nodes if node_limit else 1, top_groups=node_limit)
+    dense = MoELayer(HIDDEN, FFN, E, k, cf, groups=nodes if node_limit else 1, top_groups=node_limit).to(dev)
     layer = ep.ExpertParallelMoE.from_dense(dense, d.group)
-    xs = [torch.randn(T, HIDDEN, generator=torch.Generator().manual_seed(seed + 10 + i)) for i in range(P)]
-    offset = skew * torch.linspace(0, 1, E)                                         # the router's skew
+    xs = [torch.randn(T, HIDDEN, generator=torch.Generator().manual_seed(seed + 10 + i)).to(dev) for i in range(P)]
+    offset = skew * torch.linspace(0, 1, E, device=dev)                             # the router's skew
     logits = [dense.router(x).detach() + offset for x in xs]                        # every rank's routing
     layer.router = _FixedLogits(logits[r])
     with torch.no_grad(), comm.accounting() as acc:
-        layer(xs[r], bias=bias)
+        layer(xs[r], bias=None if bias is None else bias.to(dev))
     dispatch = next(rec for rec in acc.records if rec.label == "dispatch")
-    sim = ep.simulate(logits, k, cf, P, nodes=nodes, node_limit=node_limit, bias=bias)
+    sim = ep.simulate([lg.cpu() for lg in logits], k, cf, P, nodes=nodes, node_limit=node_limit, bias=bias)
     return dict(row=list(dispatch.peers), sim=sim, received=sum(layer.last.recv_counts),
                 seconds=layer.last.expert_seconds, dropped=layer.last.route.dropped)
 
 
 def topology(d, E, k, T, nodes, node_limit, seed) -> dict:
     """Node-aware dispatch (one copy per token and node): measured inter-node bytes and the count."""
-    P, r = d.world_size, d.rank
+    P, r, dev = d.world_size, d.rank, d.device
     torch.manual_seed(seed)
-    dense = MoELayer(HIDDEN, FFN, E, k, float(E), groups=nodes if node_limit else 1, top_groups=node_limit)
+    dense = MoELayer(HIDDEN, FFN, E, k, float(E), groups=nodes if node_limit else 1, top_groups=node_limit).to(dev)
     layer = ep.ExpertParallelMoE.from_dense(dense, d.group)
-    xs = [torch.randn(T, HIDDEN, generator=torch.Generator().manual_seed(seed + 10 + i)) for i in range(P)]
+    xs = [torch.randn(T, HIDDEN, generator=torch.Generator().manual_seed(seed + 10 + i)).to(dev) for i in range(P)]
     with torch.no_grad():
         reference = layer(xs[r])
         with comm.accounting() as acc:
             out = ep.hierarchical_forward(layer, xs[r], nodes)
         torch.testing.assert_close(out, reference)           # the two-stage dispatch computes the same
-        logits = [dense.router(x) for x in xs]
+        logits = [dense.router(x).cpu() for x in xs]
     m = P // nodes
     rec = next(rec for rec in acc.records if rec.label == "inter-node dispatch")
     cross = sum(b for j, b in enumerate(rec.peers) if j // m != r // m)
@@ -163,8 +165,8 @@ def main(argv=None) -> None:
         topo = {name: topology(d, E, 4, T, nodes, limit, seed=8) for name, limit in
                 (("no node limit", None), ("node limit 1", 1))}
         torch.manual_seed(11)
-        layer = ep.ExpertParallelMoE.from_dense(MoELayer(64, 256, E, 2, float(E)), d.group)
-        xt = torch.randn(8 * T, 64)
+        layer = ep.ExpertParallelMoE.from_dense(MoELayer(64, 256, E, 2, float(E)).to(d.device), d.group)
+        xt = torch.randn(8 * T, 64).to(d.device)
         timelines = {}
         for overlap in (False, True, False, True):                 # twice each; keep the second run
             _, events = ep.timed_forward(layer, xt, micro_batches=2, overlap=overlap)

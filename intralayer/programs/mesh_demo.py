@@ -36,10 +36,10 @@ from intralayer.tensor_parallel import expected_shards
 S, B, H, HEADS, FFN, E, K = 8, 2, 16, 4, 32, 4, 2
 
 
-def reference(batches, dzs):
+def reference(batches, dzs, device):
     """The dense block and MoE layer on both batches; the MoE routes each rank's tokens as one group."""
     torch.manual_seed(0)
-    block, layer = Block(H, HEADS), MoELayer(H, FFN, E, K, capacity_factor=1.25)
+    block, layer = Block(H, HEADS).to(device), MoELayer(H, FFN, E, K, capacity_factor=1.25).to(device)
     outs = {}
     for d, (x, dz) in enumerate(zip(batches, dzs)):
         y = block(x)                                                           # (s, b, h)
@@ -60,12 +60,13 @@ def main() -> None:
         tp_group, dp_group = mesh.get_group("tp"), mesh.get_group("dp")
         di, ti = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
         g = torch.Generator().manual_seed(1)
-        batches = [torch.randn(S, B, H, generator=g) for _ in range(2)]
-        dzs = [torch.randn(S, B, H, generator=g) for _ in range(2)]
-        dense_block, dense_moe, ref_out = reference([x.clone().requires_grad_() for x in batches], dzs)
+        batches = [torch.randn(S, B, H, generator=g).to(d.device) for _ in range(2)]
+        dzs = [torch.randn(S, B, H, generator=g).to(d.device) for _ in range(2)]
+        dense_block, dense_moe, ref_out = reference([x.clone().requires_grad_() for x in batches], dzs, d.device)
         # this rank's shard of both layers, from the same dense weights (same seed)
         torch.manual_seed(0)
-        block0, moe0 = Block(H, HEADS), MoELayer(H, FFN, E, K, capacity_factor=1.25)
+        block0 = Block(H, HEADS).to(d.device)
+        moe0 = MoELayer(H, FFN, E, K, capacity_factor=1.25).to(d.device)
         block = ParallelBlock.from_dense(block0, tp_group, sequence_parallel=True)
         layer = ExpertParallelMoE.from_dense(moe0, dp_group)
         x = batches[di].chunk(2, 0)[ti].clone().requires_grad_()               # (s/2, b, h): my batch, my shard

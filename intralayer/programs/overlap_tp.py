@@ -18,8 +18,8 @@ Laptop (gloo, CPU)::
 
     torchrun --standalone --nproc-per-node 2 -m intralayer.programs.overlap_tp --time
 
-On GPUs: not yet — its tensors are built on the CPU, so it runs on gloo only (the place
-where overlap would pay; making it device-agnostic is open work).
+On GPUs: not yet — its tensors are built on the CPU and its timings use the CPU's clock
+(a GPU needs CUDA events), so it runs on gloo only; making it device-agnostic is open work.
 """
 from __future__ import annotations
 
