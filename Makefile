@@ -6,13 +6,14 @@ STAMP  := $(VENV)/.installed
 ASSETS := book/_vendor/.copied
 PYTEST_ARGS ?=
 
-.PHONY: help setup lab test book exercises clean
+.PHONY: help setup lab test book exercises gpu-check clean
 
 help:
 	@echo "make lab        set up .venv and open JupyterLab on the course"
 	@echo "make test       set up, then run the whole test suite (unit, notebooks, exercises, book, browser)"
 	@echo "make book       build the web book into _build/html from the stored outputs"
 	@echo "make exercises  regenerate exercises/ from solutions/ (nbgrader)"
+	@echo "make gpu-check  run every program on this machine's GPUs with NCCL (says so and exits 0 without GPUs)"
 
 setup: $(STAMP) $(ASSETS)
 
@@ -47,6 +48,9 @@ book: $(STAMP) $(ASSETS)
 
 exercises: $(STAMP)
 	$(BIN)/python tools/exercises.py write
+
+gpu-check: $(STAMP)
+	$(BIN)/python tools/gpu_check.py
 
 clean:
 	rm -rf _build book/_vendor
