@@ -15,12 +15,18 @@ final barrier, 1 of 12 with the barrier, 0 of 12 with a function.
 It reads the rank and world size that ``torchrun`` puts in the environment, chooses
 NCCL with ``cuda:LOCAL_RANK`` when every local rank has a GPU and gloo on the CPU
 otherwise, gives the process group a timeout so that a missing rank is reported rather
-than waited for forever, and destroys the group on the way out, error or not.
+than waited for forever, and destroys the group on the way out, error or not. Inside the
+``with`` block (until an error leaves it), SIGTERM makes the rank print its Python stack
+to stderr before it dies: torchrun stops the other ranks with SIGTERM when one fails (and
+the launcher does at its timeout), and the stack says where each was, waiting in which
+collective or in none, which :mod:`intralayer.launch` puts in its error message.
 """
 from __future__ import annotations
 
+import faulthandler
 import math
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -86,6 +92,7 @@ class setup:
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ValueError(f"timeout_s={timeout_s} must be a positive, finite number of seconds")
         self.info: Dist | None = None
+        self._stack_on_sigterm = False
 
     def __enter__(self) -> Dist:
         missing = [k for k in _REQUIRED if k not in os.environ]
@@ -94,6 +101,15 @@ class setup:
                 f"environment variables {', '.join(missing)} are not set: start this program "
                 "with torchrun (or intralayer.launch.run from a notebook), not with plain python"
             )
+        self._stack_on_sigterm = _stack_on_sigterm(True)
+        try:
+            return self._init()
+        except BaseException:      # no __exit__ follows a failed __enter__
+            if self._stack_on_sigterm:
+                self._stack_on_sigterm = _stack_on_sigterm(False)
+            raise
+
+    def _init(self) -> Dist:
         rank = int(os.environ["RANK"])
         world = int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ["LOCAL_RANK"])
@@ -120,11 +136,41 @@ class setup:
         return self.info
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if dist.is_initialized():
-            if exc_type is None:
-                dist.barrier()    # leave together: no rank tears down while a peer still talks
-            dist.destroy_process_group()
+        if exc_type is not None and self._stack_on_sigterm:
+            # This rank is failing on its own: its traceback says where. A stack printed
+            # while it tears down would say "not in the collective" and wrongly mark it as
+            # the rank the others waited for.
+            self._stack_on_sigterm = _stack_on_sigterm(False)
+        try:
+            if dist.is_initialized():
+                if exc_type is None:
+                    dist.barrier()    # leave together: no rank tears down while a peer still talks
+                dist.destroy_process_group()
+        finally:
+            if self._stack_on_sigterm:
+                self._stack_on_sigterm = _stack_on_sigterm(False)
         return False
+
+
+def _stack_on_sigterm(on: bool) -> bool:
+    """Have SIGTERM print every Python thread's stack to stderr, then end the process as
+    before (``on``), or stop doing so. True if the dump was switched on.
+
+    ``faulthandler`` writes from the signal handler itself, so the stack shows even while
+    the main thread is blocked inside a collective, where a Python-level handler would
+    not run. Where it cannot (no ``faulthandler.register`` on Windows, a stderr without a
+    file descriptor) nothing changes.
+    """
+    if not hasattr(faulthandler, "register"):
+        return False
+    try:
+        if on:
+            faulthandler.register(signal.SIGTERM, file=sys.stderr, all_threads=True, chain=True)
+        else:
+            faulthandler.unregister(signal.SIGTERM)
+    except (AttributeError, ValueError, OSError, RuntimeError):
+        return False
+    return on
 
 
 def _loopback_name() -> str:
