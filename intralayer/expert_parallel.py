@@ -31,14 +31,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
-from .moe import MoELayer, Route, topk_route
+from .moe import MoELayer, Route, check_tokens, topk_route
+from .rules import check_group_device as _check_group_device, whole as _whole
 
 
 def check_placement(experts: int, P: int) -> None:
     """``ValueError`` unless the experts split evenly over the P ranks."""
     if not isinstance(P, int) or isinstance(P, bool) or P < 1:
         raise ValueError(f"the expert-parallel degree P must be a whole number ≥ 1, got {P!r}")
-    if experts % P:
+    if _whole(experts, "the number of experts") % P:
         raise ValueError(f"{experts} experts do not split evenly over P={P} ranks")
 
 
@@ -104,10 +105,12 @@ class ExpertParallelMoE(nn.Module):
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         return (torch.nn.functional.silu(x @ self.w1[e].T) * (x @ self.w3[e].T)) @ self.w2[e].T
 
+    def _check(self, x: torch.Tensor, who: str = "ExpertParallelMoE") -> None:
+        check_tokens(x, self.hidden, self.router.weight, who, "this rank's tokens")
+        _check_group_device(x, "x", who, self.group)
+
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 2 or x.shape[1] != self.hidden:
-            raise ValueError(f"ExpertParallelMoE expects this rank's tokens as a floating-point (T, {self.hidden}) "
-                             f"tensor, got {getattr(x, 'shape', type(x).__name__)}")
+        self._check(x)
         P, n = self.P, self.local_experts
         route = topk_route(self.router(x), self.k, self.capacity_factor, bias, self.groups, self.top_groups)
         T = x.shape[0]
@@ -268,6 +271,7 @@ def timed_forward(layer: ExpertParallelMoE, x: torch.Tensor, micro_batches: int 
     ``(output, events)``; events are ``(what, micro-batch, start, end)`` in seconds from
     the start, an asynchronous operation ending when it was waited for.
     """
+    layer._check(x, "timed_forward")
     if micro_batches < 1 or x.shape[0] < micro_batches:
         raise ValueError(f"cannot cut {x.shape[0]} tokens into {micro_batches} micro-batches")
     events, t0 = [], time.perf_counter()
@@ -343,6 +347,7 @@ def hierarchical_forward(layer: ExpertParallelMoE, x: torch.Tensor, nodes: int) 
     """
     P, r = layer.P, layer.rank
     check_nodes(P, nodes)
+    layer._check(x, "hierarchical_forward")
     m, g, h = P // nodes, layer.group, layer.hidden
     with torch.no_grad():
         route = topk_route(layer.router(x), layer.k, layer.capacity_factor, None, layer.groups, layer.top_groups)

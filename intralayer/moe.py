@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .rules import whole as _whole
+from .rules import check_like as _check_like, whole as _whole
 
 
 # ---------------------------------------------------------------------------- configurations
@@ -162,7 +162,10 @@ def topk_route(logits: torch.Tensor, k: int, capacity_factor: float, bias: torch
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits must be a floating-point (tokens, experts) matrix, got shape "
                          f"{tuple(logits.shape)} and dtype {logits.dtype}")
+    if logits.device.type == "meta":
+        raise ValueError("topk_route: logits are on meta (shapes only); routing needs their values on a real device")
     T, E = logits.shape
+    _check_bias(bias, logits, "topk_route")
     _whole(k, "k (experts per token)")
     if k > E:
         raise ValueError(f"k={k} experts per token is more than the {E} experts")
@@ -180,6 +183,27 @@ def topk_route(logits: torch.Tensor, k: int, capacity_factor: float, bias: torch
     position = ((onehot.cumsum(0) - 1) * onehot).sum(-1)                         # 0, 1, 2 … per expert
     kept = (position < cap).reshape(k, T).T                                      # (T, k)
     return Route(expert_index, weights, kept, counts, cap, torch.softmax(logits, dim=-1))
+
+
+def _check_bias(bias, logits: torch.Tensor, who: str) -> None:
+    """The selection bias must be one floating-point number per expert, on the logits' device."""
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or tuple(bias.shape) != (logits.shape[1],):
+        got = (f"shape {tuple(bias.shape)} and dtype {bias.dtype}" if isinstance(bias, torch.Tensor)
+               else type(bias).__name__)
+        raise ValueError(f"{who}: bias must be a floating-point ({logits.shape[1]},) tensor, one number per "
+                         f"expert, got {got}")
+    if bias.device != logits.device:
+        raise ValueError(f"{who}: bias is on {bias.device} but the router's logits are on {logits.device}")
+
+
+def check_tokens(x, hidden: int, weight: torch.Tensor, who: str, what: str = "tokens") -> None:
+    """``ValueError`` unless ``x`` is a floating-point ``(T, hidden)`` tensor on ``weight``'s dtype and device."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 2 or x.shape[1] != hidden:
+        got = (f"shape {tuple(x.shape)} and dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__)
+        raise ValueError(f"{who} expects {what} x as a floating-point (T, {hidden}) tensor, got {got}")
+    _check_like(x, "x", weight, "the router weight", who)
 
 
 def switch_balance_loss(logits: torch.Tensor, expert_index: torch.Tensor) -> torch.Tensor:
@@ -277,9 +301,7 @@ class MoELayer(nn.Module):
         return s["w2"](F.silu(s["w1"](x)) * s["w3"](x))
 
     def _check(self, x):
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 2 or x.shape[1] != self.hidden:
-            raise ValueError(f"MoELayer expects tokens as a floating-point (T, {self.hidden}) tensor, got "
-                             f"{getattr(x, 'shape', type(x).__name__)}")
+        check_tokens(x, self.hidden, self.router.weight, "MoELayer")
 
     def route(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> Route:
         return topk_route(self.router(x), self.k, self.capacity_factor, bias, self.groups, self.top_groups)

@@ -27,6 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import comm
+from .rules import check_group_device as _check_group_device, check_like as _check_like, \
+    check_tensor as _check_tensor
 
 # ---------------------------------------------------------------------------- timeline
 
@@ -57,7 +59,7 @@ def _now() -> float:
 
 # ---------------------------------------------------------------------------- checks
 
-def _check(x: torch.Tensor, weight: torch.Tensor, dim: int, chunks: int, who: str) -> int:
+def _check(x: torch.Tensor, weight: torch.Tensor, dim: int, chunks: int, who: str, group=None) -> int:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1:
         raise ValueError(f"{who}: x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -76,7 +78,18 @@ def _check(x: torch.Tensor, weight: torch.Tensor, dim: int, chunks: int, who: st
         raise ValueError(f"{who}: dim={dim} is the feature dimension; gather or scatter tokens or sequence")
     if not isinstance(chunks, numbers.Integral) or isinstance(chunks, bool) or chunks < 1:
         raise ValueError(f"{who}: chunks must be a whole number ≥ 1, got {chunks!r}")
+    _check_group_device(x, "x", who, group)
     return dim
+
+
+def _check_mlp(x, fc1, fc2, group) -> None:
+    who = "mlp_microbatches"
+    _check_tensor(fc1, "fc1", who, dims=2, layout="(ffn/t, h)")
+    _check_tensor(x, "x", who, min_dims=2, layout="(rows, …, h)", last=fc1.shape[1], last_is="fc1's in_features")
+    _check_tensor(fc2, "fc2", who, dims=2, layout="(h, ffn/t)", last=fc1.shape[0], last_is="fc1's out_features")
+    _check_like(x, "x", fc1, "fc1", who)
+    _check_like(fc2, "fc2", fc1, "fc1", who)
+    _check_group_device(x, "x", who, group)
 
 
 # ---------------------------------------------------------------------------- forward kernels
@@ -172,14 +185,14 @@ class _MatmulReduceScatter(torch.autograd.Function):
 def allgather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, group, chunks: int, dim: int = 0) -> torch.Tensor:
     """``F.linear(all_gather(x_shard, dim), weight)`` with the all-gather cut into ``chunks``
     pieces, each multiplied as soon as it arrives while the next is in flight."""
-    dim = _check(x_shard, weight, dim, chunks, "allgather_matmul")
+    dim = _check(x_shard, weight, dim, chunks, "allgather_matmul", group)
     return _AllGatherMatmul.apply(x_shard, weight, group, int(chunks), dim)
 
 
 def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, chunks: int, dim: int = 0) -> torch.Tensor:
     """``reduce_scatter(F.linear(x, weight), dim)`` computed in ``chunks`` pieces, each
     reduce-scattered while the next one is computed."""
-    dim = _check(x, weight, dim, chunks, "matmul_reduce_scatter")
+    dim = _check(x, weight, dim, chunks, "matmul_reduce_scatter", group)
     return _MatmulReduceScatter.apply(x, weight, group, int(chunks), dim)
 
 
@@ -195,6 +208,7 @@ def mlp_microbatches(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, grou
     """
     if not isinstance(micro_batches, numbers.Integral) or isinstance(micro_batches, bool) or micro_batches < 1:
         raise ValueError(f"micro_batches must be a whole number ≥ 1, got {micro_batches!r}")
+    _check_mlp(x, fc1, fc2, group)
     if x.shape[0] % micro_batches:
         raise ValueError(f"{x.shape[0]} rows do not split into {micro_batches} micro-batches")
     outs, pending = [], []

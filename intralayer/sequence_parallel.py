@@ -30,8 +30,22 @@ import torch.nn.functional as F
 
 from . import comm
 from .model import Block, check_shape
+from .rules import whole as _whole
 from .tensor_parallel import (ColumnParallelLinear, ParallelAttention, ParallelBlock as TensorParallelBlock,
                               ParallelMLP, RowParallelLinear, _degree, check_degrees)
+
+
+def check_sequence(s: int, t: int) -> None:
+    """``ValueError`` naming the rule unless the tensor-parallel degree ``t`` divides the sequence length.
+
+    Sequence parallelism gives each of the t ranks ``s/t`` consecutive tokens; callable
+    before any process starts, with :func:`~intralayer.tensor_parallel.check_degrees`
+    for the model's own dimensions.
+    """
+    _whole(t, "the tensor-parallel degree t")
+    if _whole(s, "sequence length s") % t:
+        raise ValueError(f"sequence length s={s} is not divisible by the tensor-parallel degree t={t} "
+                         f"(sequence parallelism gives each rank s/t tokens)")
 
 
 class _GatherLinear(torch.autograd.Function):

@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import comm
-from .rules import whole as _whole
+from .rules import check_group_device as _check_group_device, whole as _whole
 from .model import Attention, Block, TinyGPT, check_shape
 
 
@@ -244,6 +244,8 @@ class ParallelMLP(nn.Module):
                    RowParallelLinear.from_dense(fc2, group, input_is_parallel=True, label=f"{label}.fc2"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_shape(x, self.fc1.in_features, "ParallelMLP", dims=(2, 3))
+        _same_device(x, self.fc1.weight, "ParallelMLP")
         return self.fc2(F.gelu(self.fc1(x)))                        # (s, b, ffn/t) → (s, b, h)
 
 
@@ -265,6 +267,11 @@ class ParallelAttention(Attention):
         return cls(ColumnParallelLinear.from_dense(attn.qkv, group, parts=3, label=f"{label}.qkv"),
                    RowParallelLinear.from_dense(attn.proj, group, input_is_parallel=True, label=f"{label}.proj"),
                    attn.heads // t, attn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_shape(x, self.qkv.in_features, type(self).__name__)   # (s, b, h), or (s/t, b, h) under SP
+        _same_device(x, self.qkv.weight, type(self).__name__)
+        return super().forward(x)
 
 
 class ParallelBlock(Block):
@@ -309,7 +316,7 @@ class VocabParallelEmbedding(nn.Module):
         return full.chunk(self.t, dim=0)[self.rank]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        _check_ids(ids, self.vocab, "VocabParallelEmbedding")
+        _check_ids(ids, self.vocab, "VocabParallelEmbedding", self.weight.device)
         local = ids - self.start
         mine = (local >= 0) & (local < self.weight.shape[0])
         out = F.embedding(torch.where(mine, local, 0), self.weight)   # (s, b, h)
@@ -317,10 +324,12 @@ class VocabParallelEmbedding(nn.Module):
         return comm.reduce_from_group(out, self.group, "embed g")
 
 
-def _check_ids(ids: torch.Tensor, vocab: int, who: str) -> None:
+def _check_ids(ids: torch.Tensor, vocab: int, who: str, device: torch.device | None = None) -> None:
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{who} expects integer token ids (torch.long), got "
                          f"{getattr(ids, 'dtype', type(ids).__name__)}")
+    if device is not None and ids.device != device:
+        raise ValueError(f"{who}: the token ids are on {ids.device} but the weights are on {device}")
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
         raise ValueError(f"{who}: token ids must lie in [0, {vocab}), got {int(ids.min())}..{int(ids.max())}")
 
@@ -359,12 +368,18 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
     Backward needs no communication: ``softmax − one_hot`` restricted to this rank's slice.
     """
     t, _ = _degree(group)
-    if not logits.is_floating_point():
-        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+    who = "vocab_parallel_cross_entropy"
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() < 1:
+        got = (f"dtype {logits.dtype} and shape {tuple(logits.shape)}" if isinstance(logits, torch.Tensor)
+               else type(logits).__name__)
+        raise ValueError(f"{who}: logits must be a floating point tensor (…, v/t), got {got}")
+    if not isinstance(targets, torch.Tensor):
+        raise ValueError(f"{who}: targets must be a tensor of integer token ids, got {type(targets).__name__}")
     if logits.shape[:-1] != targets.shape:
-        raise ValueError(f"targets {tuple(targets.shape)} must match the logits' leading shape "
+        raise ValueError(f"{who}: targets {tuple(targets.shape)} must match the logits' leading shape "
                          f"{tuple(logits.shape[:-1])}")
-    _check_ids(targets, logits.shape[-1] * t, "vocab_parallel_cross_entropy")
+    _check_group_device(logits, "logits", who, group)
+    _check_ids(targets, logits.shape[-1] * t, who, logits.device)
     return _VocabParallelCrossEntropy.apply(logits, targets, group)
 
 
