@@ -1,65 +1,80 @@
-"""Every chapter's explorer answers each setting with a plot or a plain sentence, never a traceback.
+"""Every chapter's explorer answers every setting of its controls with a chart or a plain
+sentence, never a traceback, and matplotlib can draw what the book's page draws.
 
-The explorer's pure function is defined in the chapter notebook, so the test runs the
-chapter's light cells (launches, measurements and long simulations are skipped), then
-renders an evenly spaced sample of the explorer's slider grid. ``Explorer.render`` turns
-a ``ValueError`` into a sentence; any other exception is a bug in the explorer.
+The explorers are rebuilt exactly as the book build does it: :func:`intralayer.widgets.load`
+runs the chapter's cells tagged ``explorer``. :meth:`Explorer.table` then sweeps the
+whole slider grid (it raises on anything but a chart or a ``ValueError``'s sentence).
 """
 from __future__ import annotations
 
-import itertools
+import json
 from pathlib import Path
 
 import matplotlib
-import nbformat
 import pytest
+import torch
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from intralayer.widgets import INVALID  # noqa: E402
+from intralayer import widgets  # noqa: E402
+from intralayer.charts import Chart  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((ROOT / "chapters").glob("*.ipynb"))
-HEAVY = ("launch.run(", "gemm_throughput", "simulate(", "best_time(", "runs[", "measured[")
-SAMPLES = 48
+DRAWN = 12           # settings per chapter drawn with matplotlib as well
 
 
-def explorer_of(path: Path):
-    """Run the chapter's light code cells up to its explorer; return the explorer."""
-    cells = [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
-    last = next(i for i, src in enumerate(cells) if "explorer = Explorer(" in src)
-    namespace: dict = {}
-    for src in cells[:last]:
-        if any(marker in src for marker in HEAVY):
-            continue
-        try:
-            exec(compile(src, str(path), "exec"), namespace)
-        except NameError:
-            continue                       # it needed a skipped cell's result; the explorer does not
-        finally:
-            plt.close("all")
-    exec(compile(cells[last], str(path), "exec"), namespace)
-    plt.close("all")
-    return namespace["explorer"]
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    """Thousands of tiny tensor ops: extra threads only contend on a loaded machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.chdir(ROOT / "chapters")
+    yield
+    torch.set_num_threads(before)
+
+
+def test_every_chapter_has_exactly_one_explorer():
+    for path in CHAPTERS:
+        found = widgets.load(path)
+        assert len(found) == 1, f"{path.stem}: expected one explorer in the cells tagged 'explorer', found {list(found)}"
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
-def test_explorer_gives_a_plot_or_a_sentence(path, monkeypatch):
-    monkeypatch.chdir(ROOT)
-    explorer = explorer_of(path)
-    grid = list(explorer.grid())
-    step = max(1, len(grid) // SAMPLES)
-    sample = grid[::step][:SAMPLES] + [grid[-1]]
-    outcomes = {"plot": 0, "sentence": 0}
-    for values in sample:
-        result = explorer.render(**values)
-        if isinstance(result, str):
-            assert result.startswith(INVALID) and len(result) > len(INVALID) + 10, (values, result)
-            outcomes["sentence"] += 1
+def test_the_whole_grid_gives_a_chart_or_a_sentence(path):
+    (explorer,) = widgets.load(path).values()
+    table = explorer.table()
+    assert len(table["index"]) == explorer.size
+    kinds = {"chart": 0, "sentence": 0}
+    for out in table["outputs"]:
+        if "invalid" in out:
+            assert out["invalid"].startswith(widgets.INVALID) and len(out["invalid"]) > len(widgets.INVALID) + 10, out
+            kinds["sentence"] += 1
         else:
-            assert isinstance(result, Figure), (values, type(result))
-            outcomes["plot"] += 1
+            assert out["title"] and out["panels"], out
+            kinds["chart"] += 1
+    assert kinds["chart"] > 0, f"{path.stem}: no setting draws a chart"
+    # The table is plain JSON, and its start setting (what the page shows first) draws a chart.
+    json.dumps(table)
+    assert "panels" in explorer.lookup(table, **explorer.start), f"{path.stem}: the start setting is invalid"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_the_table_holds_what_the_function_returns(path):
+    (explorer,) = widgets.load(path).values()
+    table = explorer.table()
+    grid = list(explorer.grid())
+    step = max(1, len(grid) // DRAWN)
+    for values in grid[::step][:DRAWN] + [grid[-1]]:
+        result = explorer.render(**values)
+        stored = explorer.lookup(table, **values)
+        if isinstance(result, str):
+            assert stored == {"invalid": result}
+            continue
+        assert isinstance(result, Chart)
+        assert json.dumps(stored, sort_keys=True) == json.dumps(result.to_data(), sort_keys=True), values
+        fig = result.figure()                        # and the notebook's matplotlib drawing works
+        assert isinstance(fig, Figure) and len(fig.axes) >= len(result.panels)
         plt.close("all")
-    assert outcomes["plot"] > 0, f"{path.stem}: no setting in the sample draws a plot"

@@ -173,3 +173,124 @@ def test_human_bytes_rounds_up_into_the_next_unit():
 
 def test_human_seconds_rounds_up_into_the_next_unit():
     assert plots.human_seconds(0.0009999) == "1 ms"
+
+
+# ------------------------------------------------------------------ the static book's side
+
+from intralayer.charts import Bars, Chart, Series  # noqa: E402
+
+
+def chart_fn(n, mode="ring"):
+    if n > 4 and mode == "tree":
+        raise ValueError(f"the tree needs n ≤ 4, got n={n}")
+    return Chart(f"{mode} on {n}", [Bars(["time"], [Series("t", [float(n)])])])
+
+
+def chart_explorer(**kw):
+    return widgets.Explorer(chart_fn, title="T", n=[2, 4, 8], mode=["ring", "tree"], **kw)
+
+
+def test_start_defaults_to_the_middle_slider_value_and_the_first_dropdown_value():
+    assert chart_explorer().start == {"n": 4, "mode": "ring"}
+    assert chart_explorer(start={"n": 8}).start == {"n": 8, "mode": "ring"}
+    with pytest.raises(ValueError, match="start value 5 of 'n' is not one of its values"):
+        chart_explorer(start={"n": 5})
+    with pytest.raises(ValueError, match=r"start names controls that do not exist: \['m'\]"):
+        chart_explorer(start={"m": 1})
+
+
+def test_the_widget_starts_at_start():
+    n, mode = chart_explorer(start={"n": 8, "mode": "ring"}).widget().children[1].children
+    assert (n.value, mode.value) == (8, "ring")
+
+
+def test_size_and_key():
+    e = chart_explorer()
+    assert e.size == 6 == len(list(e.grid()))
+    assert e.key(n=8, mode="tree") == "2-1"
+    with pytest.raises(ValueError, match="n=5 is not one of the values of control 'n'"):
+        e.key(n=5, mode="ring")
+
+
+def test_table_holds_every_setting_in_grid_order_and_each_output_once():
+    e = chart_explorer()
+    table = e.table()
+    assert table["name"] == "chart_fn" and table["title"] == "T"
+    assert table["controls"] == [{"name": "n", "labels": ["2", "4", "8"], "numeric": True, "start": 1},
+                                 {"name": "mode", "labels": ["ring", "tree"], "numeric": False, "start": 0}]
+    assert len(table["index"]) == 6
+    # n=8 with the tree is the only invalid setting; every other setting has its own chart.
+    assert len(table["outputs"]) == 6
+    for values in e.grid():
+        stored = e.lookup(table, **values)
+        result = e.render(**values)
+        assert stored == ({"invalid": result} if isinstance(result, str) else result.to_data())
+    # Equal outputs are stored once.
+    same = widgets.Explorer(lambda n, mode: Chart("same", [Bars(["x"], [Series("s", [1.0])])]),
+                            n=[1, 2, 3], mode=["a", "b"])
+    t = same.table()
+    assert len(t["outputs"]) == 1 and t["index"] == [0] * 6
+
+
+def test_table_refuses_outputs_the_page_cannot_draw():
+    with pytest.raises(TypeError, match="returned str; a static explorer needs a Chart"):
+        make().table()                                 # cost() returns text, not a Chart
+
+    def broken(n):
+        raise KeyError(n)
+
+    with pytest.raises(KeyError):
+        widgets.Explorer(broken, n=[1]).table()       # only ValueError is an "invalid setting"
+
+
+def test_placeholder_names_the_explorer_and_escapes_the_title():
+    e = widgets.Explorer(chart_fn, title="<b>ring</b> & tree", n=[2])
+    html = e.placeholder()
+    assert html.startswith('<div class="itl-explorer" data-explorer="chart_fn">')
+    assert "&lt;b&gt;ring&lt;/b&gt; &amp; tree" in html and "<b>ring</b>" not in html
+
+
+def test_display_bundle_has_the_live_widget_and_the_placeholder():
+    bundle = chart_explorer()._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert bundle["text/html"] == chart_explorer().placeholder()
+    assert bundle["text/plain"] == "Explorer: T (6 settings)"       # stable, so nbval can compare it
+
+
+def test_the_widget_draws_a_chart_with_matplotlib(monkeypatch):
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj, **kw: shown.append(obj))
+    chart_explorer().widget()
+    from matplotlib.figure import Figure
+
+    assert len(shown) == 1 and isinstance(shown[0], Figure)
+
+
+def notebook(tmp_path, cells):
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    for source, tags in cells:
+        cell = nbformat.v4.new_code_cell(source)
+        cell.metadata["tags"] = tags
+        nb.cells.append(cell)
+    path = tmp_path / "nb.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+def test_load_runs_only_the_tagged_cells(tmp_path):
+    path = notebook(tmp_path, [
+        ("from intralayer.widgets import Explorer\nprint('a printed table')", ["explorer"]),
+        ("raise RuntimeError('a launch the loader must not run')", []),
+        ("def f(n):\n    return n\nexplorer = Explorer(f, n=[1, 2])", ["explorer", "other"]),
+    ])
+    found = widgets.load(path)
+    assert list(found) == ["f"] and found["f"].size == 2
+
+
+def test_load_of_tagged_cells_without_an_explorer_is_an_error(tmp_path):
+    path = notebook(tmp_path, [("x = 1", ["explorer"])])
+    with pytest.raises(ValueError, match="the cells tagged 'explorer' define no Explorer"):
+        widgets.load(path)
+    assert widgets.load(notebook(tmp_path, [("x = 1", [])])) == {}
