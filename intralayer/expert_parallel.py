@@ -106,7 +106,8 @@ class ExpertParallelMoE(nn.Module):
         return (torch.nn.functional.silu(x @ self.w1[e].T) * (x @ self.w3[e].T)) @ self.w2[e].T
 
     def _check(self, x: torch.Tensor, who: str = "ExpertParallelMoE") -> None:
-        check_tokens(x, self.hidden, self.router.weight, who, "this rank's tokens")
+        # The experts' weights, not the router's: a program may swap the router for any module.
+        check_tokens(x, self.hidden, self.w1, who, "this rank's tokens", "the experts' weights")
         _check_group_device(x, "x", who, self.group)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -198,12 +198,13 @@ def _check_bias(bias, logits: torch.Tensor, who: str) -> None:
         raise ValueError(f"{who}: bias is on {bias.device} but the router's logits are on {logits.device}")
 
 
-def check_tokens(x, hidden: int, weight: torch.Tensor, who: str, what: str = "tokens") -> None:
+def check_tokens(x, hidden: int, weight: torch.Tensor, who: str, what: str = "tokens",
+                 weight_name: str = "the router weight") -> None:
     """``ValueError`` unless ``x`` is a floating-point ``(T, hidden)`` tensor on ``weight``'s dtype and device."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 2 or x.shape[1] != hidden:
         got = (f"shape {tuple(x.shape)} and dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__)
         raise ValueError(f"{who} expects {what} x as a floating-point (T, {hidden}) tensor, got {got}")
-    _check_like(x, "x", weight, "the router weight", who)
+    _check_like(x, "x", weight, weight_name, who)
 
 
 def switch_balance_loss(logits: torch.Tensor, expert_index: torch.Tensor) -> torch.Tensor:
