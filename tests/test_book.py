@@ -1,7 +1,9 @@
 """The web book: builds with warnings as errors from the stored outputs, loads nothing
-from the internet, and in a real (headless) Chromium the math is typeset, the plots are
-shown, the widget manager loads from the build and no script fails. Saves a screenshot
-of each chapter page."""
+from the internet, every internal link and anchor resolves, and in a real (headless)
+Chromium the math is typeset, the plots are shown, code is highlighted, no script fails,
+and every chapter's explorer answers a moved slider with the precomputed chart of the new
+setting — checked against the explorer's own Python function. Saves screenshots of each
+chapter page and of each explorer after the move (``_build/screenshots/``)."""
 from __future__ import annotations
 
 import functools
@@ -16,6 +18,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
+
+from intralayer import widgets
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = sorted(p.stem for p in (ROOT / "chapters").glob("*.ipynb"))
@@ -57,6 +61,46 @@ def test_no_page_loads_from_a_cdn(html):
         assert (html / "_static" / asset).exists(), f"offline asset _static/{asset} is missing"
 
 
+def test_every_internal_link_and_anchor_resolves(html):
+    """Every relative href and src of every page names a file of the build, and its
+    #fragment an id in that file (what Sphinx's -n/-W cannot see in raw HTML outputs)."""
+    ids: dict[Path, set[str]] = {}
+
+    def anchors(page: Path) -> set[str]:
+        if page not in ids:
+            ids[page] = set(re.findall(r"\bid=\"([^\"]+)\"", page.read_text(errors="replace")))
+        return ids[page]
+
+    broken, checked = [], 0
+    pages = [p for p in sorted(html.rglob("*.html")) if p.relative_to(html).parts[0] not in ("_static", "_sources")]
+    for page in pages:                         # (_static holds the theme's Jinja templates, not pages)
+        text = page.read_text(errors="replace")
+        for attr, link in re.findall(r"\b(href|src)=\"([^\"]*)\"", text):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", link, re.I) or link.startswith("//") or not link:
+                continue                       # external or data: URLs, javascript:, mailto:
+            path, _, fragment = link.partition("#")
+            path = path.split("?")[0]
+            target = (page.parent / path).resolve() if path else page
+            if target.is_dir():
+                target = target / "index.html"
+            checked += 1
+            if not target.exists():
+                broken.append(f"{page.relative_to(html)}: {link} (no such file)")
+            elif fragment and target.suffix == ".html" and fragment not in anchors(target):
+                broken.append(f"{page.relative_to(html)}: {link} (no id {fragment!r})")
+    assert checked > 500, f"only {checked} links checked: is the build complete?"
+    assert not broken, f"{len(broken)} broken internal links:\n" + "\n".join(broken[:20])
+
+
+def test_every_chapter_page_carries_its_explorer_table(html):
+    for stem in CHAPTERS:
+        page = (html / "chapters" / f"{stem}.html").read_text()
+        assert 'class="itl-explorer"' in page, f"{stem}: the explorer's placeholder is not on the page"
+        assert f"_static/explorers/{stem}.js" in page, f"{stem}: the page does not load its explorer table"
+        assert (html / "_static" / "explorers" / f"{stem}.js").stat().st_size > 1000
+        assert "_static/explorer.js" in page
+
+
 @pytest.fixture(scope="module")
 def server(html):
     class Quiet(http.server.SimpleHTTPRequestHandler):
@@ -72,7 +116,7 @@ def server(html):
 
 @pytest.fixture(scope="module")
 def browser():
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    chromium = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         if os.environ.get("CI"):
             pytest.fail("chromium is not installed; .ci/run installs Debian's chromium package")
@@ -112,12 +156,84 @@ def test_chapter_renders_in_chromium(server, browser, stem):
                            ".map(i => i.complete && i.naturalWidth > 0)")
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / f"{stem}.png"), full_page=True)
+    highlighted = page.evaluate("() => document.querySelectorAll('div.highlight pre span').length")
     amd = page.evaluate("() => typeof window.require === 'function' && typeof window.define === 'function'")
     page.close()
     assert not outside, f"the page tried to reach the internet: {outside[:5]}"
     assert typeset >= 10 and not raw_tex, f"math not typeset: {typeset} formulas, raw TeX left: {raw_tex}"
     assert len(images) >= 3 and all(images), f"plots missing or broken: {images}"
+    assert highlighted > 50, f"code cells are not syntax-highlighted ({highlighted} highlighted tokens)"
     manager = {p: s for p, s in loaded.items() if p.endswith(("/require.js", "/html-manager/embed-amd.js"))}
     assert amd and len(manager) == 2 and set(manager.values()) == {200}, \
         f"the widget manager (require.js, embed-amd.js) did not load from the build: {manager}"
+    assert not errors, f"JavaScript errors: {errors}"
+
+
+def _open(browser, server, stem):
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.route("**/*", lambda r: r.continue_() if urlparse(r.request.url).hostname in ("127.0.0.1", "localhost")
+               else r.abort())
+    page.goto(f"{server}/chapters/{stem}.html", wait_until="networkidle")
+    return page, errors
+
+
+def _shown(page) -> str:
+    """What the explorer shows now: its chart's title, or its invalid-setting sentence."""
+    return page.evaluate("""() => {
+        const out = document.querySelector('.itl-explorer .itl-out');
+        const t = out.querySelector('.itl-chart-title, .itl-invalid');
+        return t ? t.textContent : '';
+    }""")
+
+
+def _a_move(explorer):
+    """A control and a neighbouring value of it whose setting draws a different chart."""
+    start = explorer.render(**explorer.start)
+    for k, (name, pairs) in enumerate(explorer.options.items()):
+        values = [v for _, v in pairs]
+        i = values.index(explorer.start[name])
+        for j in (i + 1, i - 1):
+            if 0 <= j < len(values):
+                moved = {**explorer.start, name: values[j]}
+                result = explorer.render(**moved)
+                if not isinstance(result, str) and result.title != start.title:
+                    return k, name, i, j, moved, result
+    raise AssertionError("no single step of any control changes the chart")
+
+
+@pytest.mark.parametrize("stem", CHAPTERS)
+def test_explorer_moves_in_the_static_page(server, browser, stem, monkeypatch):
+    """Move one control of the chapter's explorer in the built page: the page must show the
+    precomputed chart of the new setting, equal to what the Python function returns."""
+    import torch
+
+    torch.set_num_threads(1)
+    monkeypatch.chdir(ROOT / "chapters")
+    (explorer,) = widgets.load(ROOT / "chapters" / f"{stem}.ipynb").values()
+    page, errors = _open(browser, server, stem)
+    page.wait_for_selector(".itl-explorer.itl-ready .itl-out svg, .itl-explorer.itl-ready .itl-out .itl-text",
+                           timeout=15_000)
+    assert page.locator(".itl-explorer.itl-ready").count() == 1
+    assert _shown(page) == explorer.render(**explorer.start).title, "the page does not start at the start setting"
+    assert page.evaluate("() => document.querySelector('.itl-out').dataset.key") == explorer.key(**explorer.start)
+    k, name, i, j, moved, want = _a_move(explorer)
+    control = page.locator(f".itl-explorer [data-control='{name}']")
+    if control.evaluate("el => el.tagName") == "INPUT":
+        control.focus()
+        page.keyboard.press("ArrowRight" if j > i else "ArrowLeft")
+        label = page.locator(".itl-explorer .itl-control-value").nth(
+            sum(1 for c in list(explorer.options.values())[:k] if widgets._numeric(c)))
+        assert label.text_content() == explorer.options[name][j][0]
+    else:
+        control.select_option(str(j))
+    page.wait_for_function("key => document.querySelector('.itl-out').dataset.key === key",
+                           arg=explorer.key(**moved), timeout=5_000)
+    assert _shown(page) == want.title
+    marks = page.evaluate("() => document.querySelectorAll('.itl-out rect, .itl-out .itl-text div').length")
+    assert marks > 0, "the chart drew nothing"
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.locator(".itl-explorer").screenshot(path=str(SHOTS / f"{stem}-explorer.png"))
+    page.close()
     assert not errors, f"JavaScript errors: {errors}"
