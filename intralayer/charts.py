@@ -53,6 +53,7 @@ class Bars:
     unit: str = "number"
     title: str = ""
     label: str = ""                                    # value-axis label
+    category_label: str = ""                           # category-axis label
     ends: list[str] | None = None                      # text after each bar
     rules: list[tuple[float, str]] = field(default_factory=list)   # reference lines on the value axis
     note: str = ""                                     # text under the panel
@@ -83,6 +84,7 @@ class Bars:
                 "series": [{"label": s.label, "color": s.color, "values": [_round(v) for v in s.values]}
                            for s in self.series],
                 "horizontal": self.horizontal, "unit": self.unit, "title": self.title, "label": self.label,
+                "category_label": self.category_label,
                 "ends": self.ends, "rules": [[_round(v), t] for v, t in self.rules], "note": self.note,
                 "top": _round(self.top()), "legend": self.legend}
 
@@ -100,9 +102,11 @@ class Bars:
             base = [b + v for b, v in zip(base, s.values)]
         top = self.top()
         for value, text in self.rules:
-            if self.horizontal:
+            if self.horizontal:                        # label at the top, left of the line near the edge
                 ax.axvline(value, color="k", ls="--", lw=1)
-                ax.text(value, n - 0.5, " " + text, fontsize=8, va="top")
+                right = value > 0.7 * top
+                ax.text(value, -0.5, (text + " ") if right else (" " + text), fontsize=8, va="top",
+                        ha="right" if right else "left")
             else:
                 ax.axhline(value, color="k", ls="--", lw=1)
                 ax.text(n - 0.5, value, text + " ", fontsize=8, va="bottom", ha="right")
@@ -131,10 +135,12 @@ class Bars:
             value_axis.set_major_locator(plt.MaxNLocator(nbins=4))
             value_axis.set_major_formatter(plt.FuncFormatter(lambda x, _: plots.human_seconds(x) if x else "0"))
         (ax.set_xlabel if self.horizontal else ax.set_ylabel)(self.label)
+        (ax.set_ylabel if self.horizontal else ax.set_xlabel)(self.category_label)
         ax.set_title(self.title, fontsize=10)
         if self.legend and any(s.label for s in self.series):
-            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2 if self.horizontal else -0.25),
-                      ncols=min(4, len(self.series)))
+            longest = max(len(s.label) for s in self.series)
+            ax.legend(fontsize=7, loc="upper center", ncols=min(len(self.series), 4 if longest < 16 else 2),
+                      bbox_to_anchor=(0.5, -0.18 if not (self.label or self.category_label) else -0.28))
         if self.note:
             ax.text(0.0, -0.32 if not self.legend else -0.55, self.note, transform=ax.transAxes, fontsize=8, va="top")
 

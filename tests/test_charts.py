@@ -63,6 +63,7 @@ def test_to_data_is_plain_json_with_rounded_values():
     assert b["kind"] == "bars" and b["series"][0] == {"label": "x", "color": "#111111", "values": [1, 2]}
     assert b["rules"] == [[3.333, "r"]] and b["ends"] == ["a", "b"] and b["note"] == "n"
     assert b["top"] == pytest.approx(1.35 * 4.0)
+    assert b["label"] == "" and b["category_label"] == ""
     assert h == {"kind": "heatmap", "matrix": [[1.23, 0], [2, 3]], "title": "h", "xlabel": "", "ylabel": "",
                  "dividers": [1]}
     assert t == {"kind": "text", "lines": ["one", "two"], "title": ""}
@@ -79,10 +80,12 @@ def test_every_panel_kind_draws_with_matplotlib(unit, horizontal):
     assert fig.axes[0].get_title() == ""
 
 
-def test_many_categories_get_sparse_ticks():
-    b = Bars([str(i) for i in range(64)], [Series("x", [1.0] * 64)], horizontal=False)
-    fig = Chart("t", [b]).figure()
-    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["0", "32", "63"]
+def test_many_categories_get_sparse_ticks_and_both_axes_their_labels():
+    b = Bars([str(i) for i in range(64)], [Series("x", [1.0] * 64)], horizontal=False, label="load",
+             category_label="expert")
+    ax = Chart("t", [b]).figure().axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "32", "63"]
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("expert", "load")
 
 
 def test_a_chart_displays_as_a_png_with_a_stable_text():

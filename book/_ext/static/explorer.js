@@ -148,6 +148,10 @@
     });
     node("line", {x1: plot.x, x2: plot.x, y1: plot.y, y2: plot.y + plot.h, "class": "itl-axis"}, svg);
     node("line", {x1: plot.x, x2: plot.x + plot.w, y1: plot.y + plot.h, y2: plot.y + plot.h, "class": "itl-axis"}, svg);
+    if (p.category_label) {
+      if (p.horizontal) node("text", {x: 10, y: plot.y + plot.h / 2, "text-anchor": "middle", transform: "rotate(-90 10 " + (plot.y + plot.h / 2) + ")", "class": "itl-label"}, svg, p.category_label);
+      else node("text", {x: plot.x + plot.w / 2, y: plot.y + plot.h + 30, "text-anchor": "middle", "class": "itl-label"}, svg, p.category_label);
+    }
     if (p.label) {
       if (p.horizontal) node("text", {x: plot.x + plot.w / 2, y: plot.y + plot.h + 30, "text-anchor": "middle", "class": "itl-label"}, svg, p.label);
       else node("text", {x: 12, y: plot.y + plot.h / 2, "text-anchor": "middle", transform: "rotate(-90 12 " + (plot.y + plot.h / 2) + ")", "class": "itl-label"}, svg, p.label);
