@@ -14,6 +14,7 @@ help:
 	@echo "make book       build the web book into _build/html from the stored outputs"
 	@echo "make exercises  regenerate exercises/ from solutions/ (nbgrader)"
 	@echo "make gpu-check  run every program on this machine's GPUs with NCCL (says so and exits 0 without GPUs)"
+	@echo "make determinism  execute every notebook 3 times; fail if any checked text output changes"
 
 setup: $(STAMP) $(ASSETS)
 
@@ -51,6 +52,10 @@ exercises: $(STAMP)
 
 gpu-check: $(STAMP)
 	$(BIN)/python tools/gpu_check.py
+
+.PHONY: determinism
+determinism: $(STAMP)
+	$(BIN)/python tools/determinism.py --runs 3
 
 clean:
 	rm -rf _build book/_vendor
