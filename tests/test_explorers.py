@@ -36,6 +36,17 @@ def one_thread(monkeypatch):
     torch.set_num_threads(before)
 
 
+_TABLES: dict = {}
+
+
+def explorer_and_table(path: Path):
+    """The chapter's explorer and its whole-grid table, computed once per test session."""
+    if path not in _TABLES:
+        (explorer,) = widgets.load(path).values()
+        _TABLES[path] = explorer, explorer.table()
+    return _TABLES[path]
+
+
 def test_every_chapter_has_exactly_one_explorer():
     for path in CHAPTERS:
         found = widgets.load(path)
@@ -44,8 +55,7 @@ def test_every_chapter_has_exactly_one_explorer():
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
 def test_the_whole_grid_gives_a_chart_or_a_sentence(path):
-    (explorer,) = widgets.load(path).values()
-    table = explorer.table()
+    explorer, table = explorer_and_table(path)
     assert len(table["index"]) == explorer.size
     kinds = {"chart": 0, "sentence": 0}
     for out in table["outputs"]:
@@ -63,8 +73,7 @@ def test_the_whole_grid_gives_a_chart_or_a_sentence(path):
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
 def test_the_table_holds_what_the_function_returns(path):
-    (explorer,) = widgets.load(path).values()
-    table = explorer.table()
+    explorer, table = explorer_and_table(path)
     grid = list(explorer.grid())
     step = max(1, len(grid) // DRAWN)
     for values in grid[::step][:DRAWN] + [grid[-1]]:
