@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import comm
+from .rules import check_group_device as _check_group_device, check_tensor as _check_tensor, whole as _whole
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -70,6 +71,7 @@ def check_sequence(s: int, P: int, layout: str) -> None:
 
 def shard_sequence(x: torch.Tensor, dim: int, group, layout: str = "contiguous") -> torch.Tensor:
     """This rank's tokens of a sequence that every rank holds whole."""
+    _check_tensor(x, "x", "shard_sequence", floating=False)
     P, r = dist.get_world_size(group), dist.get_rank(group)
     dim = comm._check_dim(x, dim)
     check_sequence(x.shape[dim], P, layout)
@@ -79,6 +81,8 @@ def shard_sequence(x: torch.Tensor, dim: int, group, layout: str = "contiguous")
 
 def unshard_sequence(x_local: torch.Tensor, dim: int, group, layout: str = "contiguous") -> torch.Tensor:
     """The whole sequence, in order, on every rank (an all-gather; backward keeps this rank's part)."""
+    _check_tensor(x_local, "x_local", "unshard_sequence", floating=False)
+    _check_group_device(x_local, "x_local", "unshard_sequence", group)
     P = dist.get_world_size(group)
     dim = comm._check_dim(x_local, dim)
     per_rank = len(chunk_ids(0, P, layout))
@@ -93,6 +97,17 @@ def unshard_sequence(x_local: torch.Tensor, dim: int, group, layout: str = "cont
 
 
 # ---------------------------------------------------------------------------- blocks
+#
+# Numerics. A row's log-sum-exp ℓ = log Σ_j e^(s_j) is about as large as its largest
+# score, and float32 holds it only to within u·|ℓ| (u = 2^-24): 6e-4 at ℓ ≈ 1e4, more
+# than log 4 at ℓ ≈ 2^100. Normalising with exp(s − ℓ) would pass that absolute error on
+# to every probability as a relative one. So nothing below subtracts a rounded ℓ:
+# - a block subtracts its row max m (one of the scores, so exact) and divides by the row
+#   sum of exp(s − m);
+# - merge_partials' weights depend only on the difference of the two ℓs;
+# - the ring keeps ℓ in two parts, m and λ = log Σ_j e^(s_j − m), a number between 0 and
+#   log(keys) whose rounding is tiny, and the backward recomputes p = exp((s − m) − λ).
+# A score that overflows to +∞ makes its row NaN (as SDPA does), never a finite answer.
 
 def merge_partials(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor):
     """Combine two softmax-attention results over disjoint key sets.
@@ -103,10 +118,27 @@ def merge_partials(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor
     Rows that have seen no key yet (lse = −∞) take the other side unchanged.
     """
     new = torch.logaddexp(lse, block_lse)                                        # (b, h, m)
-    seen = torch.isfinite(new)
-    w_old = torch.where(seen, torch.exp(lse - new), torch.zeros_like(new))
-    w_new = torch.where(seen, torch.exp(block_lse - new), torch.zeros_like(new))
+    # e^(lse−new) = 1/(1 + e^(block_lse−lse)) = sigmoid(lse − block_lse): computed from the
+    # difference, the weights do not inherit new's rounding (u·|new|). sigmoid(±∞) is exactly
+    # 1 or 0, so a side with lse = −∞ passes the other through unchanged; where both are −∞
+    # the difference is NaN, and the row stays (0, −∞). (+∞ or NaN, an overflow, stays NaN.)
+    seen = ~torch.isneginf(new)
+    w_old = torch.where(seen, torch.sigmoid(lse - block_lse), 0.0)
+    w_new = torch.where(seen, torch.sigmoid(block_lse - lse), 0.0)
     return w_old.unsqueeze(-1) * out + w_new.unsqueeze(-1) * block_out, new
+
+
+def _merge_parts(out, m, lam, block_out, block_m, block_lam):
+    """:func:`merge_partials` on log-sum-exps kept in two parts, ℓ = m + λ: (out, m, λ).
+
+    Both sides' ℓ are written relative to the larger row max M, as (m − M) + λ: the side
+    holding M passes just its λ, and merge_partials sees small numbers, never |ℓ|. The
+    result's λ is relative to M, its new row max.
+    """
+    new_m = torch.maximum(m, block_m)
+    ref = torch.where(torch.isneginf(new_m), 0.0, new_m)       # no key on either side: −∞ − (−∞) is NaN
+    merged, new_lam = merge_partials(out, (m - ref) + lam, block_out, (block_m - ref) + block_lam)
+    return merged, new_m, new_lam
 
 
 def _scores(q, k, scale, diagonal):
@@ -117,10 +149,26 @@ def _scores(q, k, scale, diagonal):
     return s
 
 
-def _probs(s, lse):
-    """exp(s − lse), with rows whose lse is −∞ (no key seen) set to zero."""
-    p = torch.exp(s - lse.unsqueeze(-1))
-    return torch.where(torch.isfinite(lse).unsqueeze(-1), p, torch.zeros_like(p))
+def _block_parts(q, k, v, scale, diagonal):
+    """One block's (output, row max m, λ = log Σ_j e^(s_j − m)), in the work dtype.
+
+    Its log-sum-exp is m + λ; a row with no visible key has m = λ = −∞ and output 0.
+    """
+    w = _work_dtype(q.dtype)
+    s = _scores(q.to(w), k.to(w), scale, diagonal)
+    m = s.amax(-1)                                                               # row max, (b, h, queries)
+    shift = torch.where(torch.isneginf(m), 0.0, m)                               # −∞ − (−∞) would be NaN
+    e = torch.exp(s - shift.unsqueeze(-1))              # ≤ 1 (no overflow), exactly 1 at the max
+    total = e.sum(-1)                                   # ≥ 1; 0 where no key is visible
+    out = (e @ v.to(w)) / torch.where(total > 0, total, 1.0).unsqueeze(-1)
+    return out, m, torch.log(total)
+
+
+def _probs(s, m, lam):
+    """The softmax probabilities exp((s − m) − λ) of scores ``s``, from the row max m and
+    λ = log Σ e^(s − m) of the forward pass; zero in rows that saw no key (m = −∞)."""
+    p = torch.exp((s - m.unsqueeze(-1)) - lam.unsqueeze(-1))
+    return torch.where(torch.isneginf(m).unsqueeze(-1), 0.0, p)
 
 
 def block_attention(q, k, v, scale: float, diagonal: bool):
@@ -129,10 +177,8 @@ def block_attention(q, k, v, scale: float, diagonal: bool):
     ``diagonal`` masks keys after queries within the block (the block on the diagonal of
     a causal attention matrix).
     """
-    w = _work_dtype(q.dtype)
-    s = _scores(q.to(w), k.to(w), scale, diagonal)
-    lse = torch.logsumexp(s, dim=-1)                                             # (b, h, m)
-    return _probs(s, lse) @ v.to(w), lse
+    out, m, lam = _block_parts(q, k, v, scale, diagonal)
+    return out, m + lam
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -196,7 +242,7 @@ def counting():
 # ---------------------------------------------------------------------------- ring attention
 
 def _pieces(x: torch.Tensor, n: int) -> list[torch.Tensor]:
-    return list(x.chunk(n, dim=2))                                               # along the sequence
+    return list(x.chunk(n, dim=2))              # along the sequence: (b, h, s_local, d) or (b, h, s_local)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -209,8 +255,11 @@ class _RingAttention(torch.autograd.Function):
         b, h, sl, d = q.shape
         w = _work_dtype(q.dtype)
         out = torch.zeros(b, h, sl, d, dtype=w, device=q.device)
-        lse = torch.full((b, h, sl), float("-inf"), dtype=w, device=q.device)
-        out_p, lse_p, q_p = _pieces(out, n), list(lse.chunk(n, dim=2)), _pieces(q, n)
+        # Each query row's log-sum-exp so far, ℓ = m + λ: m its largest score (−∞: no key
+        # yet), λ = log Σ e^(s − m). Kept apart, as ℓ itself is too coarse in float32 (see "blocks").
+        m = torch.full((b, h, sl), float("-inf"), dtype=w, device=q.device)
+        lam = torch.full_like(m, float("-inf"))
+        out_p, m_p, lam_p, q_p = _pieces(out, n), _pieces(m, n), _pieces(lam, n), _pieces(q, n)
         kv = [k, v]
         per_step = []
         for i, pairs in enumerate(plan):
@@ -218,10 +267,11 @@ class _RingAttention(torch.autograd.Function):
             k_p, v_p = _pieces(kv[0], n), _pieces(kv[1], n)
             done = 0
             for qi, kj, kind in pairs:
-                bo, bl = block_attention(q_p[qi], k_p[kj], v_p[kj], scale, kind == "diagonal")
-                merged, new = merge_partials(out_p[qi], lse_p[qi], bo, bl)
+                bo, bm, bl = _block_parts(q_p[qi], k_p[kj], v_p[kj], scale, kind == "diagonal")  # out, m, λ
+                merged, new_m, new_lam = _merge_parts(out_p[qi], m_p[qi], lam_p[qi], bo, bm, bl)  # ℓ = m + λ
                 out_p[qi].copy_(merged)
-                lse_p[qi].copy_(new)
+                m_p[qi].copy_(new_m)
+                lam_p[qi].copy_(new_lam)
                 done += q_p[qi].shape[2] * k_p[kj].shape[2]
             per_step.append(done)
             if pending is not None:
@@ -230,21 +280,21 @@ class _RingAttention(torch.autograd.Function):
             w.scores += sum(per_step) * b * h
             w.blocks += sum(len(pairs) for pairs in plan)
             w.steps = [x * b * h for x in per_step]
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, m, lam)
         ctx.group, ctx.plan, ctx.n, ctx.scale = group, plan, n, scale
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, m, lam = ctx.saved_tensors
         group, plan, n, scale = ctx.group, ctx.plan, ctx.n, ctx.scale
         P = dist.get_world_size(group)
         w = out.dtype
         dout = dout.to(w)
         delta = (dout * out).sum(-1)                                             # D = rowsum(dO ⊙ O), (b, h, sl)
         dq = torch.zeros_like(out)
-        q_p, do_p, lse_p, dl_p, dq_p = (_pieces(q.to(w), n), _pieces(dout, n), list(lse.chunk(n, 2)),
-                                        list(delta.chunk(n, 2)), _pieces(dq, n))
+        q_p, do_p, m_p, lam_p, dl_p, dq_p = (_pieces(q.to(w), n), _pieces(dout, n), _pieces(m, n),
+                                             _pieces(lam, n), _pieces(delta, n), _pieces(dq, n))
         kv = [k, v]
         acc = [torch.zeros_like(k, dtype=w), torch.zeros_like(v, dtype=w)]      # dk, dv, travelling
         for i, pairs in enumerate(plan):
@@ -252,7 +302,8 @@ class _RingAttention(torch.autograd.Function):
             k_p, v_p = _pieces(kv[0].to(w), n), _pieces(kv[1].to(w), n)
             dk_p, dv_p = _pieces(acc[0], n), _pieces(acc[1], n)
             for qi, kj, kind in pairs:
-                p = _probs(_scores(q_p[qi], k_p[kj], scale, kind == "diagonal"), lse_p[qi])   # (b, h, m, n)
+                s = _scores(q_p[qi], k_p[kj], scale, kind == "diagonal")
+                p = _probs(s, m_p[qi], lam_p[qi])                                       # (b, h, m, n)
                 dv_p[kj] += p.transpose(-2, -1) @ do_p[qi]
                 ds = p * (do_p[qi] @ v_p[kj].transpose(-2, -1) - dl_p[qi].unsqueeze(-1))
                 dq_p[qi] += (ds @ k_p[kj]) * scale
@@ -264,16 +315,20 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None, None
 
 
-def _check_qkv(q, k, v, who: str) -> None:
+def _check_qkv(q, k, v, who: str, group=None) -> None:
+    """Shapes, dtypes and devices of this rank's shards, before any rank communicates."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 4:
+            got = f"dtype {t.dtype}, shape {t.shape}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{who}: {name} must be a floating-point tensor laid out (b, heads, s_local, d), "
-                             f"got {getattr(t, 'shape', type(t).__name__)}")
+                             f"got {got}")
     if not (q.shape == k.shape == v.shape):
         raise ValueError(f"{who}: q, k and v must have the same shape, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
-        raise ValueError(f"{who}: q, k and v must share dtype and device")
+        raise ValueError(f"{who}: q, k and v must share dtype and device, got q {q.dtype} on {q.device}, "
+                         f"k {k.dtype} on {k.device}, v {v.dtype} on {v.device}")
+    _check_group_device(q, "q", who, group)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, causal: bool = False,
@@ -283,7 +338,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, cau
     The shards are those of :func:`shard_sequence` with the same ``layout``; the result is
     this rank's shard of the output. Differentiable.
     """
-    _check_qkv(q, k, v, "ring_attention")
+    _check_qkv(q, k, v, "ring_attention", group)
     P = dist.get_world_size(group)
     check_sequence(q.shape[2] * P, P, layout)
     return _RingAttention.apply(q, k, v, group, bool(causal), layout)
@@ -309,11 +364,17 @@ def _heads_to_seq(y: torch.Tensor, group, label: str) -> torch.Tensor:
     return x.movedim(0, 1).reshape(b, P * hp, s // P, d)                         # (b, H, s/P, d)
 
 
-def check_ulysses(heads: int, P: int) -> None:
-    """``ValueError`` unless Ulysses can give each of P ranks whole heads: P must divide the heads."""
-    if heads % P:
+def check_ulysses(heads: int, P: int, s: int | None = None) -> None:
+    """``ValueError`` unless Ulysses can give each of P ranks whole heads: P must divide the heads.
+
+    With ``s``, the sequence must also cut into P equal contiguous shards.
+    """
+    n_chunks(P, "contiguous")                                                   # P a whole number ≥ 1
+    if _whole(heads, "the number of heads") % P:
         raise ValueError(f"Ulysses gives each rank heads/P whole heads: {heads} heads are not divisible by "
                          f"the context-parallel degree P={P}" + (" (P > heads)" if P > heads else ""))
+    if s is not None:
+        check_sequence(s, P, "contiguous")
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, causal: bool = False) -> torch.Tensor:
@@ -322,7 +383,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, 
     q, k, v are this rank's contiguous shards ``(b, heads, s_local, d)``; P must divide
     the number of heads (each rank attends with whole heads), so P ≤ heads.
     """
-    _check_qkv(q, k, v, "ulysses_attention")
+    _check_qkv(q, k, v, "ulysses_attention", group)
     P = dist.get_world_size(group)
     check_ulysses(q.shape[1], P)
     qh, kh, vh = (_seq_to_heads(t, group, f"ulysses {n}") for n, t in (("q", q), ("k", k), ("v", v)))

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +25,21 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from intralayer import moe
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the programs' package, whatever directory pytest runs from
+    sys.path.insert(0, str(ROOT))
+from tests.programs.checks import rounding_tol  # noqa: E402
+
+
+def softmax64_tol(logits: torch.Tensor) -> dict:
+    """Two float64 softmaxes of the same logits (or one and its exact sum, 1) agree to γ_n of
+    float64, values ≤ 1 (mag 1): each weight exp(z − max)/Σ is within W + 2 + E + 1
+    roundings of itself — the argument's (|z − max| ≤ W, the logits' spread), exp's, the sum
+    of E terms', the division's — and both sides round: n = 2(W + E + 3). (assert_close's
+    float64 defaults, 1e-7, would pass a float32 softmax too.)"""
+    spread = float(logits.max() - logits.min())
+    return rounding_tol(torch.float64, 2 * (spread + logits.shape[-1] + 3))
 
 
 # ------------------------------------------------------------------ (a) parameter counts
@@ -176,7 +193,7 @@ def test_route_counts_drops_and_priority(T, E, k, cf):
     # Each token's k experts are distinct and are its k best logits, best first.
     assert all(len(set(row.tolist())) == k for row in r.expert_index)
     chosen = logits.gather(1, r.expert_index)
-    assert_close(chosen, logits.sort(dim=1, descending=True).values[:, :k])
+    assert_close(chosen, logits.sort(dim=1, descending=True).values[:, :k], rtol=0, atol=0)   # the same values
     # counts: before dropping.
     assert torch.equal(r.counts, torch.bincount(r.expert_index.flatten(), minlength=E))
     assert int(r.counts.sum()) == T * k
@@ -212,10 +229,10 @@ def test_weights_are_the_softmax_of_the_chosen_logits():
     logits = torch.randn(30, 8, dtype=torch.float64, requires_grad=True)
     r = moe.topk_route(logits, 3, 1.0)
     assert r.weights.dtype == torch.float64
-    assert_close(r.weights.sum(-1), torch.ones(30, dtype=torch.float64))
-    assert (r.weights[:, :-1] >= r.weights[:, 1:]).all()                 # best first
     chosen = logits.detach().gather(1, r.expert_index)
-    assert_close(r.weights, torch.softmax(chosen, dim=-1))
+    assert_close(r.weights.sum(-1), torch.ones(30, dtype=torch.float64), **softmax64_tol(chosen))
+    assert (r.weights[:, :-1] >= r.weights[:, 1:]).all()                 # best first
+    assert_close(r.weights, torch.softmax(chosen, dim=-1), **softmax64_tol(chosen))
     # Differentiable in the logits, and only at the chosen columns.
     (r.weights[:, 0]).sum().backward()
     mask = torch.zeros(30, 8, dtype=torch.bool).scatter_(1, r.expert_index, True)
@@ -229,7 +246,7 @@ def test_k_equal_to_experts_and_k_one():
     assert r.capacity == 12 and r.dropped == 0
     assert r.counts.tolist() == [12] * 4
     r1 = moe.topk_route(logits, 1, 1.0)
-    assert_close(r1.weights, torch.ones(12, 1))
+    assert_close(r1.weights, torch.ones(12, 1), rtol=0, atol=0)         # softmax of one logit: e^0/e^0 = 1
     assert torch.equal(r1.expert_index[:, 0], logits.argmax(1))
 
 
@@ -247,16 +264,16 @@ def test_bias_changes_the_choice_not_the_weights_source():
     assert biased.counts.tolist() == [0, 0, T, 0, 0, T, 0, 0]
     # Weights from the unbiased logits of the chosen experts.
     expected = torch.softmax(logits[:, [5, 2]], dim=-1)
-    assert_close(biased.weights, expected)
+    assert_close(biased.weights, expected, **softmax64_tol(logits))
     biased_softmax = torch.softmax((logits + bias)[:, [5, 2]], dim=-1)
     assert not torch.allclose(biased.weights, biased_softmax)
     # probs stay the unbiased router softmax.
-    assert_close(biased.probs, torch.softmax(logits, dim=-1))
+    assert_close(biased.probs, torch.softmax(logits, dim=-1), **softmax64_tol(logits))
     # A small bias that flips only some choices, checked column by column.
     small = torch.linspace(-0.5, 0.5, E, dtype=torch.float64)
     r = moe.topk_route(logits, k, 10.0, bias=small)
     assert torch.equal(r.expert_index, (logits + small).topk(k, dim=-1).indices)
-    assert_close(r.weights, torch.softmax(logits.gather(1, r.expert_index), dim=-1))
+    assert_close(r.weights, torch.softmax(logits.gather(1, r.expert_index), dim=-1), **softmax64_tol(logits))
 
 
 @pytest.mark.parametrize("logits, k, cf", [
@@ -390,7 +407,8 @@ def test_bias_update_sign_rule():
     b64 = torch.zeros(4, dtype=torch.float64)
     new = moe.bias_update(b64, [1, 2, 3, 6])                              # mean 3
     assert new.dtype == torch.float64
-    assert_close(new, torch.tensor([1e-3, 1e-3, 0.0, -1e-3], dtype=torch.float64))
+    want = torch.tensor([1e-3, 1e-3, 0.0, -1e-3], dtype=torch.float64)
+    assert_close(new, want, rtol=0, atol=0)                              # 0 − γ·(±1 or 0): exact
     # Repeated updates push load toward balance on a fixed skewed router.
     torch.manual_seed(6)
     logits = torch.randn(256, 8) + torch.linspace(0, 1.5, 8)
@@ -476,6 +494,18 @@ def test_group_limited_topk_rejects_non_counts(k, top_groups):
 H, FFN = 12, 20
 
 
+def close64(got, want):
+    """A float64 MoE layer against its per-token loop or its einsum twin: γ_n of float64 with
+    n = 256, over twice (both sides round) the longest chain of roundings here, < 128: the
+    router's H = 12 terms and its softmax (~20), an expert's H-term products, SiLU, its
+    FFN = 20-term product, the combine's ≤ 5 terms and the shared expert's, and backward
+    the sums over ≤ 24 tokens; atol for terms up to mag = 64, four times the largest entry
+    compared, which is below 16 (checked). assert_close's float64 defaults (1e-7) would pass
+    float32 arithmetic too (errors ~1e-6 here); float64's measure ~5e-15."""
+    assert float(want.detach().abs().max()) < 16, "an entry of 16 or more: close64's mag no longer holds"
+    assert_close(got, want, **rounding_tol(torch.float64, 256, mag=64))
+
+
 def make_layer(E, k, cf, shared, seed=0):
     torch.manual_seed(seed)
     layer = moe.MoELayer(H, FFN, E, k, cf, shared=shared).double()
@@ -536,15 +566,15 @@ def test_forward_equals_naive_forward(T, E, k, cf, shared, starve):
         assert r.counts[E - 1] == 0
     if cf < 1 and T > 1:
         assert r.dropped > 0
-    assert_close(out, out_n)
-    assert_close(out, independent_output(layer, x.detach(), r))
+    close64(out, out_n)
+    close64(out, independent_output(layer, x.detach(), r))
     # The route is the router's.
     ref = moe.topk_route(layer.router(x.detach()), k, cf)
     assert torch.equal(r.expert_index, ref.expert_index) and torch.equal(r.kept, ref.kept)
     g = torch.randn(T, H, dtype=torch.float64, generator=gen)
     for a, b in zip(grads(layer, x, out, g), grads(layer, x, out_n, g)):
         assert torch.isfinite(a).all()
-        assert_close(a, b)
+        close64(a, b)
 
 
 def test_forward_with_bias_equals_naive_and_can_idle_an_expert():
@@ -555,10 +585,10 @@ def test_forward_with_bias_equals_naive_and_can_idle_an_expert():
     out, r = layer(x, bias=bias)
     out_n, _ = layer.forward_naive(x, bias=bias)
     assert r.counts[2] == 0
-    assert_close(out, out_n)
+    close64(out, out_n)
     g = torch.randn_like(out)
     for a, b in zip(grads(layer, x, out, g), grads(layer, x, out_n, g)):
-        assert_close(a, b)
+        close64(a, b)
     # Expert 2 gets no gradient: it saw no token.
     gw1 = torch.autograd.grad((layer(x, bias=bias)[0] * g).sum(), layer.w1)[0]
     assert (gw1[2] == 0).all() and (gw1.abs().sum() > 0)
@@ -575,11 +605,11 @@ def test_fully_dropped_token_gets_only_the_shared_expert(shared):
     assert gone, "the example should drop some token entirely"
     expected = layer._shared(x) if shared else torch.zeros(T, H, dtype=torch.float64)
     for t in gone:
-        assert_close(out[t], expected[t])
+        close64(out[t], expected[t])
     # Partly dropped tokens: only their kept assignments count.
-    assert_close(out, independent_output(layer, x, r))
+    close64(out, independent_output(layer, x, r))
     out_n, _ = layer.forward_naive(x)
-    assert_close(out, out_n)
+    close64(out, out_n)
     # A fully dropped token's input reaches no routed expert: its gradient comes from the
     # shared expert alone (and, through the router, only via kept assignments — none here).
     xg = x.clone().requires_grad_(True)

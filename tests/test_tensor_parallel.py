@@ -142,6 +142,10 @@ def test_building_outside_a_process_group_says_to_use_setup(build):
 
 
 # ------------------------------------------------------------------ (d) the dense twins
+#
+# Tolerances: float32 at assert_close's defaults (tests/programs/checks.FLOAT32_REORDERED):
+# the formulas written out here sum the same terms as the modules, maybe grouped otherwise
+# (≤ 4H = 64 terms), and rounding errors of such sums grow like √n·u.
 
 def _reference_attention(qkv: torch.Tensor, heads: int, causal: bool) -> torch.Tensor:
     """softmax(q kᵀ/√d + mask) v, head by head, written out."""

@@ -19,6 +19,7 @@ input dtype).
 """
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -27,7 +28,12 @@ import torch.nn.functional as F
 
 from intralayer import comm, distributed
 from intralayer import context_parallel as cp
-from tests.programs.checks import expect, close, raises
+from tests.programs.checks import EXACT, UNIT_ROUNDOFF, bounded, expect, close, raises, rounding_tol
+
+# Tolerances: float32 ring or Ulysses against float32 SDPA at assert_close's float32
+# defaults (checks.FLOAT32_REORDERED: ≤ 24 keys, d ≤ 8, ≤ 2P − 1 partial results merged);
+# float64, bfloat16 and scores of order 1e4 at bounds derived from the arithmetic
+# (attention_tol); results that are the same elementwise operations, EXACT.
 
 MARKER = "CP CHECKS PASSED on ranks:"
 FLOAT64_RING_MARKER = "CP FLOAT64 RING PASSED on ranks:"
@@ -81,19 +87,76 @@ def parallel(method, q, k, v, dout, group, causal, transposed=False):
     return got, work, acc, fwd
 
 
-def compare(got, ref, method, group, what, **tol):
-    """Shards of ``got`` against those of ``ref``: with no ``tol``, at the default tolerances of
-    ``got``'s dtype (a float64 reference is rounded to it); else at ``tol``, in ``ref``'s dtype."""
+def compare(got, ref, method, group, what, tol=None):
+    """Shards of ``got`` against those of ``ref``: with no ``tol``, at the float32 defaults
+    (checks.FLOAT32_REORDERED; a float64 reference is rounded to float32 first); else
+    ``tol(key)`` gives ``rtol`` and a whole-sequence ``atol`` (sharded here), checked
+    elementwise in ``ref``'s dtype (:func:`bounded`)."""
     lay = layout_of(method)
     for key in ("out", "dq", "dk", "dv"):
         want = cp.shard_sequence(ref[key], 2, group, lay)
         expect(got[key] is not None and got[key].shape == want.shape,
                f"{what} {key}: shape {None if got[key] is None else tuple(got[key].shape)}, want {tuple(want.shape)}")
         expect(bool(torch.isfinite(got[key]).all()), f"{what} {key}: not finite")
-        if tol:
-            close(got[key].to(want.dtype), want, f"{what} {key}", **tol)
-        else:
+        if tol is None:
             close(got[key], want.to(got[key].dtype), f"{what} {key}")
+        else:
+            t = tol(key)
+            bounded(got[key], want, f"{what} {key}", t["rtol"], cp.shard_sequence(t["atol"], 2, group, lay))
+
+
+# ---------------------------------------------------------------------------- error bounds
+
+def magnitudes(q, k, v, dout, causal):
+    """Float64 magnitudes of the terms of attention's output and gradients (the ``mag`` of
+    :func:`~tests.programs.checks.rounding_tol`, elementwise): p·|v|, |dS|·|k|·scale,
+    |dS|ᵀ·|q|·scale and pᵀ·|dO| with |dS| ≤ p·(|dO|·|v|ᵀ + rowsum |dO ⊙ O|); and σ, the
+    largest scale·Σ_i |q_i k_i| of a visible score, and W, the largest spread (max − min)
+    of a row's visible scores."""
+    q, k, v, do = (t.double() for t in (q, k, v, dout))
+    scale = q.shape[-1] ** -0.5
+    s = q @ k.transpose(-2, -1) * scale
+    visible = torch.ones(s.shape[-2:], dtype=torch.bool)
+    if causal:
+        visible = visible.tril()
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1)
+    out = p @ v
+    mds = p * (do.abs() @ v.abs().transpose(-2, -1) + (do.abs() * out.abs()).sum(-1, keepdim=True))
+    absprod = (q.abs() @ k.abs().transpose(-2, -1)) * scale
+    spread = s.masked_fill(~visible, -math.inf).amax(-1) - s.masked_fill(~visible, math.inf).amin(-1)
+    return dict(out=p @ v.abs(), dq=mds @ k.abs() * scale, dk=mds.transpose(-2, -1) @ q.abs() * scale,
+                dv=p.transpose(-2, -1) @ do.abs(), sigma=float(absprod.masked_fill(~visible, 0).max()),
+                spread=float(spread.max()))
+
+
+def roundings(d, s, P, sigma, spread):
+    """Roundings (units of u, relative to the magnitudes) of ring attention's output and of
+    its gradients against exact attention: tests/test_numerics.py's model (its module
+    docstring), with |s − m| and |m − M| bounded by the spread W (≤ 2σ) rather than 2σ:
+
+    - the scores' own rounding, |δs| ≤ γ_{d+1}·σ, moves the output by ≤ 2|δs|: 2(d + 1)σ;
+    - one block: 2W + 2s + 5 more; each of at most 2P − 1 ring merges 5W + 7 ln s + 12;
+    - the backward's p: 2(d + 1)σ + 3W + 3 ln s + s + 4 and the merges; then 2d + 2s + 6.
+    """
+    merges = (2 * P - 1) * (5 * spread + 7 * math.log(s) + 12)
+    n_out = 2 * (d + 1) * sigma + 2 * spread + 2 * s + 5 + merges
+    n_p = 2 * (d + 1) * sigma + 3 * spread + 3 * math.log(s) + s + 4 + merges
+    return n_out, max(n_out, n_p) + 2 * d + 2 * s + 6
+
+
+def attention_tol(dtype, q, k, v, dout, causal, P, both=2, extra=0):
+    """``tol(key)`` for :func:`compare`, on whole-sequence q, k, v, dout: :func:`rounding_tol` of
+    ``dtype`` (float32 work for bfloat16) with n from :func:`roundings` (an upper bound for
+    Ulysses' SDPA too, which merges nothing), times ``both`` when the reference rounds in
+    the same work dtype, and the elementwise magnitudes of :func:`magnitudes`; ``extra``
+    more roundings to ``dtype`` itself add extra·u(dtype)·mag."""
+    mag = magnitudes(q, k, v, dout, causal)
+    n_out, n_grad = roundings(q.shape[-1], q.shape[2], P, mag["sigma"], mag["spread"])
+
+    def tol(key):
+        t = rounding_tol(dtype, both * (n_out if key == "out" else n_grad), mag[key])
+        return dict(rtol=t["rtol"], atol=t["atol"] + extra * UNIT_ROUNDOFF[dtype] * mag[key])
+    return tol
 
 
 def check_costs(method, work, acc, fwd, s, b, heads, d, P, r, causal, itemsize, what):
@@ -159,8 +222,11 @@ def check_float32(P, r, group):
 
 
 def check_float64(P, r, group, ring_only=False):
-    """float64 in, float64 out, held to float64's default tolerances (rtol 1e-7, atol 1e-7):
-    the ring accumulates in the input's type when it is wider than float32."""
+    """float64 in, float64 out: the ring accumulates in the input's type when it is wider
+    than float32. assert_close's float64 defaults (rtol = atol = 1e-7) would pass float32
+    arithmetic too (errors ~1e-7 here), so the bound is float64's rounding: γ_n of float64
+    times the magnitudes, n from :func:`roundings` doubled (float64 SDPA rounds too),
+    ~1e-13 relative on these shapes."""
     for i, (b, heads, sl, d) in enumerate(shapes(P)[::3]):     # the first and the last shape
         s = sl * P
         q, k, v, dout = (randn(b, heads, s, d, seed=300 + 10 * i + j, dtype=torch.float64) for j in range(4))
@@ -173,18 +239,23 @@ def check_float64(P, r, group, ring_only=False):
                 got, work, acc, fwd = parallel(method, q, k, v, dout, group, causal)
                 for key, t in got.items():
                     expect(t.dtype == torch.float64, f"{what}: {key} dtype {t.dtype}")
-                compare(got, ref, method, group, what)                      # float64 defaults
+                compare(got, ref, method, group, what, attention_tol(torch.float64, q, k, v, dout, causal, P))
                 check_costs(method, work, acc, fwd, s, b, heads, d, P, r, causal, 8, what)
 
 
 def check_bfloat16(P, r, group):
     """bf16 in, bf16 out, against float32 SDPA on the same (bf16-rounded) inputs.
 
-    Tolerances rtol = atol = 2e-2: about five units of bfloat16's epsilon 2^-8 ≈ 3.9e-3,
-    for values of order 1. The bf16 output and gradients are each rounded once (half an
-    epsilon); Ulysses also runs SDPA's arithmetic in bfloat16, and its errors, measured at
-    up to about 1e-2 on these shapes, set the bound. (assert_close's bf16 default atol of
-    1e-5 is meaningless for entries near zero.)
+    bfloat16's unit roundoff is u = 2^-8 ≈ 3.9e-3 (``torch.finfo(torch.bfloat16).eps`` is
+    2^-7, the gap above 1). The ring computes in float32 and rounds its output and
+    gradients to bfloat16 once: u·|want| + γ_n·mag, n from :func:`roundings` doubled (the
+    float32 reference rounds too), so rtol ≈ u + γ_n ≈ 4e-3 (:func:`attention_tol`).
+    Ulysses runs SDPA in bfloat16: its CPU flash-attention kernel keeps scores, row maxima
+    and sums in float32 but converts p (forward and backward) and dS to bfloat16 for its
+    matrix products, and each such rounding moves a result by at most u times its
+    magnitude: 3u·mag more (measured: at most 0.3u·mag beyond u·|want| on these shapes).
+    (assert_close's bf16 defaults, rtol 1.6e-2 and atol 1e-5, are 4u relative and 1/400 of
+    one rounding for entries near zero.)
     """
     for i, (b, heads, sl, d) in enumerate(shapes(P)[::3]):
         s = sl * P
@@ -196,7 +267,9 @@ def check_bfloat16(P, r, group):
                 got, work, acc, fwd = parallel(method, q, k, v, dout, group, causal)
                 for key, t in got.items():
                     expect(t.dtype == torch.bfloat16, f"{what}: {key} dtype {t.dtype}")
-                compare(got, ref, method, group, what, rtol=2e-2, atol=2e-2)
+                sdpa_roundings = 3 if method == "ulysses" else 0       # p twice and dS, in bf16
+                compare(got, ref, method, group, what,
+                        attention_tol(torch.bfloat16, q, k, v, dout, causal, P, extra=sdpa_roundings))
                 check_costs(method, work, acc, fwd, s, b, heads, d, P, r, causal, 2, what)
 
 
@@ -208,10 +281,13 @@ def check_large_scores(P, r, group):
         which runs float32 SDPA itself, must match float32 SDPA (float32 SDPA's dq is up to
         ~2e-5 off float64 here, over float32's atol of 1e-5).
     (b) Every score offset by about 1e4 with spreads of order 1, so no row saturates. A
-        float32 score of 1e4 carries a rounding error of up to 2^-11 ≈ 5e-4 (float32 SDPA
-        itself is ~5e-4 off float64 here), so the output and dv are held to 5e-3 against
-        float64 SDPA, and dq, dk (whose exact values cancel a term of order
-        |k|·|score rounding|) only to being finite.
+        float32 score q·k·scale of size σ ≈ 1e4 is the sum of d products, rounded d + 1
+        times: |δs| ≤ γ_{d+1}·σ ≈ 5·6e-8·1e4 = 3e-3 (float32 SDPA itself is ~5e-4 off
+        float64 here), and shifting the scores by δs moves the softmax, so the output and
+        the gradients, by at most 2|δs| relative to their magnitudes: 2(d + 1)σ roundings,
+        the bulk of :func:`roundings`' count (the rest is in the spread W ~ 10, not in
+        σ), against float64 SDPA (whose own rounding is negligible): γ_n ≈ 6e-3 relative
+        to the elementwise magnitudes of :func:`magnitudes`.
     """
     b, heads, sl, d = 1, 2, 4, 4
     s = sl * P
@@ -230,13 +306,11 @@ def check_large_scores(P, r, group):
                 got, *_ = parallel(method, qq, kk, v, dout, group, causal)
                 for key, t in got.items():
                     expect(bool(torch.isfinite(t).all()), f"{what}: {key} not finite")
-                if case == "saturated":
-                    compare(got, ref32 if method == "ulysses" else ref, method, group, what)   # float32 defaults
+                if case == "saturated":   # one-hot rows: p is 0 or 1 to within e^-(gap), float32 defaults
+                    compare(got, ref32 if method == "ulysses" else ref, method, group, what)
                 else:
-                    lay = layout_of(method)
-                    for key in ("out", "dv"):
-                        close(got[key].double(), cp.shard_sequence(ref[key], 2, group, lay), f"{what} {key}",
-                              rtol=5e-3, atol=5e-3)
+                    compare(got, ref, method, group, what,
+                            attention_tol(torch.float32, qq, kk, v, dout, causal, P, both=1))
 
 
 # ---------------------------------------------------------------------------- shard / unshard
@@ -266,7 +340,8 @@ def check_shard_unshard(P, r, group):
             full = x.clone().requires_grad_()
             (cp.unshard_sequence(leaf, dim, group, layout) ** 2 * w).sum().backward()
             (full ** 2 * w).sum().backward()
-            close(leaf.grad, cp.shard_sequence(full.grad, dim, group, layout), f"{what}: backward of a square")
+            close(leaf.grad, cp.shard_sequence(full.grad, dim, group, layout), f"{what}: backward of a square",
+                  **EXACT)                                       # the same elementwise 2·x·w
 
 
 # ---------------------------------------------------------------------------- bad input

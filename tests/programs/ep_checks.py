@@ -47,6 +47,10 @@ from intralayer import expert_parallel as ep
 from intralayer.moe import MoELayer, topk_route
 from tests.programs.checks import expect, close, raises
 
+# Tolerances: against the dense layer, float32 sums in another order (expert gradients
+# summed over ranks, tokens regrouped by expert), at assert_close's float32 defaults
+# (checks.FLOAT32_REORDERED: longest reduction, an expert's tokens from every rank, < 64).
+
 MARKER = "EP CHECKS PASSED on ranks:"
 MICRO_MARKER = "EP MICRO-BATCHES PASSED on ranks:"
 HIDDEN, FFN, ITEM = 8, 12, 4            # float32 tokens: 4 bytes an element
