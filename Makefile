@@ -26,15 +26,13 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
-# MathJax, require.js and the widget manager for the offline book, from the npm registry.
+# MathJax for the offline book, from the npm registry (explorers are drawn by book/_ext/static/explorer.js).
 node_modules/.package-lock.json: package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 
 $(ASSETS): node_modules/.package-lock.json
-	rm -rf book/_vendor && mkdir -p book/_vendor/mathjax book/_vendor/html-manager
+	rm -rf book/_vendor && mkdir -p book/_vendor/mathjax
 	cp -r node_modules/mathjax/es5/. book/_vendor/mathjax/
-	cp node_modules/requirejs/require.js book/_vendor/require.js
-	cp -r node_modules/@jupyter-widgets/html-manager/dist/. book/_vendor/html-manager/
 	touch $@
 
 lab: $(STAMP)

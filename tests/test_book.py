@@ -57,7 +57,7 @@ def test_no_page_loads_from_a_cdn(html):
     for page in html.rglob("*.html"):
         hits = external.findall(page.read_text())
         assert not hits, f"{page.relative_to(html)} loads {len(hits)} resources from the internet"
-    for asset in ("mathjax/tex-chtml.js", "require.js", "html-manager/embed-amd.js"):
+    for asset in ("mathjax/tex-chtml.js", "explorer.js", "explorer.css"):
         assert (html / "_static" / asset).exists(), f"offline asset _static/{asset} is missing"
 
 
@@ -144,8 +144,9 @@ def test_chapter_renders_in_chromium(server, browser, stem):
 
     page.route("**/*", route)
     page.on("pageerror", lambda e: errors.append(str(e)))
-    loaded = {}
+    loaded, failed = {}, []
     page.on("response", lambda r: loaded.__setitem__(urlparse(r.url).path, r.status))
+    page.on("requestfailed", lambda r: failed.append(r.url) if r.url not in outside else None)
     page.goto(f"{server}/chapters/{stem}.html", wait_until="networkidle")
     page.wait_for_function("() => window.MathJax && MathJax.startup && MathJax.startup.document"
                            " && document.querySelectorAll('mjx-container').length > 0", timeout=30_000)
@@ -157,25 +158,29 @@ def test_chapter_renders_in_chromium(server, browser, stem):
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / f"{stem}.png"), full_page=True)
     highlighted = page.evaluate("() => document.querySelectorAll('div.highlight pre span').length")
-    amd = page.evaluate("() => typeof window.require === 'function' && typeof window.define === 'function'")
     page.close()
     assert not outside, f"the page tried to reach the internet: {outside[:5]}"
+    bad = sorted(p for p, status in loaded.items() if status >= 400)
+    assert not failed and not bad, f"requests failed: {failed[:5]}, error statuses: {bad[:5]}"
     assert typeset >= 10 and not raw_tex, f"math not typeset: {typeset} formulas, raw TeX left: {raw_tex}"
     assert len(images) >= 3 and all(images), f"plots missing or broken: {images}"
     assert highlighted > 50, f"code cells are not syntax-highlighted ({highlighted} highlighted tokens)"
-    manager = {p: s for p, s in loaded.items() if p.endswith(("/require.js", "/html-manager/embed-amd.js"))}
-    assert amd and len(manager) == 2 and set(manager.values()) == {200}, \
-        f"the widget manager (require.js, embed-amd.js) did not load from the build: {manager}"
+    scripts = {p: s for p, s in loaded.items() if p.endswith(("/explorer.js", f"/explorers/{stem}.js"))}
+    assert len(scripts) == 2 and set(scripts.values()) == {200}, f"the explorer's scripts did not load: {scripts}"
     assert not errors, f"JavaScript errors: {errors}"
 
 
-def _open(browser, server, stem):
+def _open(browser, server, path, bad=None):
+    """Open a page of the build offline; collect script errors (and, into ``bad``, failed requests)."""
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     errors = []
     page.on("pageerror", lambda e: errors.append(str(e)))
+    if bad is not None:
+        page.on("response", lambda r: bad.append(r.url) if r.status >= 400 else None)
+        page.on("requestfailed", lambda r: bad.append(r.url))
     page.route("**/*", lambda r: r.continue_() if urlparse(r.request.url).hostname in ("127.0.0.1", "localhost")
                else r.abort())
-    page.goto(f"{server}/chapters/{stem}.html", wait_until="networkidle")
+    page.goto(f"{server}/{path}", wait_until="networkidle")
     return page, errors
 
 
@@ -212,7 +217,7 @@ def test_explorer_moves_in_the_static_page(server, browser, stem, monkeypatch):
     torch.set_num_threads(1)
     monkeypatch.chdir(ROOT / "chapters")
     (explorer,) = widgets.load(ROOT / "chapters" / f"{stem}.ipynb").values()
-    page, errors = _open(browser, server, stem)
+    page, errors = _open(browser, server, f"chapters/{stem}.html")
     page.wait_for_selector(".itl-explorer.itl-ready .itl-out svg, .itl-explorer.itl-ready .itl-out .itl-text",
                            timeout=15_000)
     assert page.locator(".itl-explorer.itl-ready").count() == 1
@@ -237,3 +242,24 @@ def test_explorer_moves_in_the_static_page(server, browser, stem, monkeypatch):
     page.locator(".itl-explorer").screenshot(path=str(SHOTS / f"{stem}-explorer.png"))
     page.close()
     assert not errors, f"JavaScript errors: {errors}"
+
+
+BOOK_PAGES = sorted(p.stem for p in (ROOT / "book").glob("*.md"))
+
+
+@pytest.mark.parametrize("name", BOOK_PAGES)
+def test_book_page_loads_cleanly(html, server, browser, name):
+    """The front page, setup, notation, glossary, instructor guide and references: every
+    request answered from the build, no script error, math typeset where there is math."""
+    has_math = 'class="math' in (html / "book" / f"{name}.html").read_text()
+    bad = []
+    page, errors = _open(browser, server, f"book/{name}.html", bad)
+    if has_math:
+        page.wait_for_function("() => document.querySelectorAll('mjx-container').length > 0", timeout=30_000)
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / f"book-{name}.png"), full_page=True)
+    title = page.title()
+    page.close()
+    assert not bad, f"requests failed: {bad[:5]}"
+    assert not errors, f"JavaScript errors: {errors}"
+    assert "Inside the Layer" in title, title

@@ -1,10 +1,7 @@
-"""Small fixes that make the book work offline and without console errors.
-
-* jupyter-book 1.0 adds sphinx-thebe's inline configuration script twice, so the second
-  copy fails with "Identifier 'THEBE_JS_URL' has already been declared": keep one copy.
-* The widget manager (``@jupyter-widgets/html-manager``) typesets widget labels through
-  MathJax 2's ``MathJax.Hub.Queue``; the book serves MathJax 3, which has no ``Hub``.
-  ``mathjax2-shim.js`` supplies it, mapped onto MathJax 3's ``typesetPromise``.
+"""Serves ``book/_ext/static`` (the explorers' script and style), and keeps the book free
+of console errors: jupyter-book 1.0 adds sphinx-thebe's inline configuration script twice,
+so the second copy fails with "Identifier 'THEBE_JS_URL' has already been declared";
+keep one copy.
 """
 from pathlib import Path
 
@@ -30,7 +27,5 @@ def _add_static(app):
 
 def setup(app):
     app.connect("builder-inited", _add_static)
-    # After MathJax (priority 500): deferred scripts run in document order.
-    app.add_js_file("mathjax2-shim.js", priority=600, defer="defer")
     app.connect("html-page-context", _dedupe_scripts)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
