@@ -84,8 +84,10 @@ class Job:
     def _watch(self) -> None:
         while not self._done.is_set():
             for p in _marked(self.token):
-                if p.pid not in self.seen:
-                    self.seen[p.pid], self.cmdlines[p.pid] = p, p.info["cmdline"]
+                self.seen.setdefault(p.pid, p)
+                # Keep the latest: a child caught between fork and exec still shows its
+                # parent's command line (torchrun once looked like the `-c` launcher).
+                self.cmdlines[p.pid] = p.info["cmdline"]
             self._done.wait(0.1)
 
     def __enter__(self) -> "Job":
