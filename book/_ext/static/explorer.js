@@ -140,10 +140,10 @@
         node("line", {x1: plot.x + d, x2: plot.x + d, y1: plot.y - 4, y2: plot.y + plot.h, "class": "itl-rule"}, svg);
         var right = d > 0.7 * plot.w;      // near the right edge: label to the left of the line
         node("text", {x: plot.x + d + (right ? -3 : 3), y: plot.y + 8, "text-anchor": right ? "end" : "start",
-                      "class": "itl-end"}, svg, r[1]);
+                      "class": "itl-end itl-rule-label"}, svg, r[1]);
       } else {
         node("line", {x1: plot.x, x2: plot.x + plot.w, y1: plot.y + plot.h - d, y2: plot.y + plot.h - d, "class": "itl-rule"}, svg);
-        node("text", {x: plot.x + plot.w, y: plot.y + plot.h - d - 4, "text-anchor": "end", "class": "itl-end"}, svg, r[1]);
+        node("text", {x: plot.x + plot.w, y: plot.y + plot.h - d - 4, "text-anchor": "end", "class": "itl-end itl-rule-label"}, svg, r[1]);
       }
     });
     node("line", {x1: plot.x, x2: plot.x, y1: plot.y, y2: plot.y + plot.h, "class": "itl-axis"}, svg);
