@@ -124,6 +124,10 @@ class Bars:
             ax.set_xlim(0, top)
             ax.grid(False, axis="y")
         else:
+            step = 1
+            while step < n and _crowded(ax, [self.categories[i] for i in ticks[::step]]):
+                step += 1                              # every step-th label, so none overlap
+            ticks = ticks[::step]
             ax.set_xticks(ticks, [self.categories[i] for i in ticks])
             ax.set_ylim(0, top)
             ax.grid(False, axis="x")
@@ -143,6 +147,26 @@ class Bars:
                       bbox_to_anchor=(0.5, -0.18 if not (self.label or self.category_label) else -0.28))
         if self.note:
             ax.text(0.0, -0.32 if not self.legend else -0.55, self.note, transform=ax.transAxes, fontsize=8, va="top")
+
+
+def _crowded(ax, labels: list[str]) -> bool:
+    """Would these category labels, evenly spaced under ``ax``, run into each other?
+
+    Each label gets the axis width divided by the number of labels; it needs about 0.6 em a
+    character in the tick font plus a gap. The axes' share of the figure is taken before
+    constrained layout shrinks it a little more (hence 0.8).
+    """
+    width = ax.get_figure().get_figwidth() * ax.get_position().width * 0.8 / len(labels)   # inches each
+    size = _tick_font_size()
+    return any(0.6 * size / 72 * len(label) + 0.08 > width for label in labels)
+
+
+def _tick_font_size() -> float:
+    """The tick-label font size in points."""
+    import matplotlib as mpl
+    from matplotlib.font_manager import FontProperties
+
+    return FontProperties(size=mpl.rcParams["xtick.labelsize"]).get_size_in_points()
 
 
 @dataclass
@@ -221,8 +245,10 @@ class Chart:
         return fig
 
     def png(self) -> bytes:
+        """The figure as PNG bytes, cropped to everything drawn: the notes and legends that sit
+        below a panel are outside the axes, so a plain save would cut them off."""
         buf = io.BytesIO()
-        self.figure().savefig(buf, format="png")
+        self.figure().savefig(buf, format="png", bbox_inches="tight", pad_inches=0.1)
         return buf.getvalue()
 
     def _repr_mimebundle_(self, include=None, exclude=None):

@@ -92,3 +92,36 @@ def test_a_chart_displays_as_a_png_with_a_stable_text():
     bundle = Chart("the title", [bars()])._repr_mimebundle_()
     assert bundle["text/plain"] == "Chart: the title"
     assert bundle["image/png"][:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _png_size(png: bytes) -> tuple[int, int]:
+    import struct
+
+    return struct.unpack(">II", png[16:24])                    # the IHDR chunk: width, height
+
+
+def test_the_png_keeps_the_note_under_a_panel():
+    """A note (memory, bytes, a refusal's reason) sits below the axes; the saved image must hold it."""
+    import io
+
+    import matplotlib.image as mpimg
+
+    plain = Chart("t", [bars(note="")]).png()
+    noted = Chart("t", [bars(note="the reason this setting is refused\nand a second line")]).png()
+    (w0, h0), (w1, h1) = _png_size(plain), _png_size(noted)
+    assert h1 > h0 + 20, f"the image with a note is {h1} px high, without {h0}: the note was cut off"
+    image = mpimg.imread(io.BytesIO(noted))                     # (height, width, channels) in [0, 1]
+    extra = image[h0 - 5:, :, :3]                                # the rows only the note can fill
+    assert (extra < 0.5).any(), "no dark pixel below the plot: the note is not in the image"
+
+
+@pytest.mark.parametrize("n", [8, 16, 32, 72])
+def test_category_labels_side_by_side_never_overlap(n):
+    b = Bars([f"dev {i}" for i in range(n)], [Series("x", [1.0] * n)], horizontal=False)
+    fig = Chart("t", [b, bars()], width=10).figure()
+    fig.canvas.draw()
+    boxes = sorted((t.get_window_extent() for t in fig.axes[0].get_xticklabels() if t.get_text()),
+                   key=lambda box: box.x0)
+    assert len(boxes) >= 3, "too few labels left"
+    for left, right in zip(boxes, boxes[1:]):
+        assert left.x1 < right.x0, f"labels overlap at {n} categories: {left} and {right}"

@@ -111,6 +111,11 @@
     });
     var band = (p.horizontal ? plot.h : plot.w) / n, thick = band * 0.8;
     var shown = n <= 16 ? p.categories.map(function (_, i) { return i; }) : [0, Math.floor(n / 2), n - 1];
+    if (!p.horizontal) {                   // side by side: keep every step-th label so none overlap
+      var widest = Math.max.apply(null, shown.map(function (i) { return textWidth(p.categories[i], 11); }));
+      var step = Math.max(1, Math.ceil((widest + 6) / (band * (n <= 16 ? 1 : n / 3))));
+      shown = shown.filter(function (_, j) { return j % step === 0; });
+    }
     for (var i = 0; i < n; i++) {
       var base = 0;
       p.series.forEach(function (s) {
