@@ -1,7 +1,9 @@
 """Activation memory: the formulas of Korthikanti et al. 2022, term by term, and a meter.
 
-:func:`activation_bytes_per_layer` is the paper's Table 2 exactly (16-bit activations,
-1-byte dropout masks, LayerNorm statistics ignored, MLP h → 4h). It is the sum of the
+:func:`activation_bytes_per_layer` is the paper's Table 2 (16-bit activations, 1-byte
+dropout masks, LayerNorm statistics ignored, MLP h → 4h), with one row as Megatron-LM
+implements it rather than as the table prints it: full recomputation with sequence
+parallelism keeps 2sbh/t, not 2sbh (:func:`paper_formula` is the table). It is the sum of the
 terms :func:`activation_terms` lists — one per tensor a GPT layer keeps for its backward
 pass — and those terms take the assumptions as arguments, so that a measurement in
 float32, or without dropout, or with LayerNorm statistics, has a formula to match.
@@ -45,6 +47,9 @@ _TERMS = (
     ("MLP dropout mask", "MLP", ("sbh", 1), "mask", "rep"),
 )
 TERM_NAMES = tuple(name for name, *_ in _TERMS)
+# The inputs of the column-parallel layers: under sequence parallelism an all-gather
+# assembles them, and the layer keeps either this device's slice or the gathered whole.
+GATHERED_INPUTS = ("q|k|v input", "fc1 input")
 
 
 def _check(s, b, h, a, t, sp, recompute) -> None:
@@ -64,22 +69,30 @@ def _check(s, b, h, a, t, sp, recompute) -> None:
 
 def activation_terms(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none",
                      itemsize: int = 2, mask_bytes: int = 1, dropout: bool = True, ln_stats: bool = False,
-                     stats_bytes: int = 4, fused: bool = False) -> dict[str, int]:
+                     stats_bytes: int = 4, fused: bool = False, keep_gathered: bool = False) -> dict[str, int]:
     """Bytes one device keeps for one layer's backward pass, by tensor.
 
     The defaults are the paper's assumptions. ``itemsize`` is the activations' bytes per
     number (4 for float32); ``dropout=False`` removes the masks and the separate dropout
     output of the attention probabilities (the weighted sum then keeps the softmax output
     itself); ``ln_stats`` adds the mean and 1/σ each LayerNorm keeps (one per token,
-    ``stats_bytes`` each: float32 on GPUs, the activations' own type in PyTorch's CPU kernel); ``fused`` replaces the s×s attention tensors by what a FlashAttention-style
-    kernel keeps besides q, k, v and its output (which is the projection's input): one
-    log-sum-exp per head and token, in float32.
+    ``stats_bytes`` each: float32 in PyTorch's CUDA kernel for 16-bit activations, the
+    activations' own type in its CPU kernel); ``fused`` replaces the s×s attention tensors
+    by what a FlashAttention-style kernel keeps besides q, k, v and its output (which is
+    the projection's input): one log-sum-exp per head and token, in float32. (Its backward
+    pass recomputes the s×s tensors from them.)
     ``recompute="selective"`` drops the attention core; ``"full"`` keeps only the
-    layer's input.
+    layer's input (this device's part of it: ``s/t`` tokens under sequence parallelism).
+    ``keep_gathered`` (sequence parallelism only) keeps the gathered ``(s, b, h)`` inputs
+    of the ``q|k|v`` projection and ``fc1`` instead of this device's ``s/t`` slices, which
+    the paper's count assumes (its backward pass gathers them again).
     """
     _check(s, b, h, a, t, sp, recompute)
     for value, what in ((itemsize, "itemsize"), (mask_bytes, "mask_bytes"), (stats_bytes, "stats_bytes")):
         _whole(value, what)
+    if keep_gathered and not sp:
+        raise ValueError("keep_gathered needs sequence parallelism (sp=True): without it the inputs of the "
+                         "q|k|v projection and fc1 are whole already")
     units = {"sbh": s * b * h, "as2b": a * s * s * b, "sb": s * b}
     rep_div = t if sp else 1
     if recompute == "full":
@@ -95,7 +108,10 @@ def activation_terms(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = Fals
         if split == "core" and (recompute == "selective" or fused):
             continue
         nbytes = units[unit] * count * {"act": itemsize, "mask": mask_bytes, "stat": stats_bytes}[kind]
-        out[name] = nbytes // (rep_div if split == "rep" else t)
+        if keep_gathered and name in GATHERED_INPUTS:
+            out[name] = nbytes                               # the gathered (s, b, h), whole
+        else:
+            out[name] = nbytes // (rep_div if split == "rep" else t)
     if fused and recompute != "selective":
         out["log-sum-exp (fused kernel)"] = a * s * b * 4 // t
     return out
@@ -103,23 +119,28 @@ def activation_terms(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = Fals
 
 def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
                                recompute: str = "none") -> int:
-    """Korthikanti et al. 2022, Table 2: bytes of activations per layer and device.
+    """Bytes of activations per layer and device: Korthikanti et al. 2022, Table 2.
 
     none: sbh(34 + 5as/h) · tensor parallel: sbh(10 + 24/t + 5as/(ht)) · with sequence
     parallelism: sbh(34/t + 5as/(ht)) · selective recomputation drops the 5as/h term ·
-    full recomputation keeps the layer input, 2sbh (2sbh/t with sequence parallelism,
-    whose input is split).
+    full recomputation keeps the layer input: 2sbh, as Table 2 prints it, except with
+    sequence parallelism, where this returns 2sbh/t — what Megatron-LM keeps, the layer's
+    input as it arrives, already split by sequence. :func:`paper_formula` prints 2sbh.
     """
     return sum(activation_terms(s, b, h, a, t, sp, recompute).values())
 
 
 def paper_formula(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none") -> int:
-    """The same numbers written as the paper prints them (a check on the term list)."""
+    """Table 2 as the paper prints it (a check on the term list).
+
+    It equals :func:`activation_bytes_per_layer` everywhere but full recomputation with
+    sequence parallelism, for which Table 2 prints 2sbh and the implementation keeps 2sbh/t.
+    """
     _check(s, b, h, a, t, sp, recompute)
     sbh = Fraction(s * b * h)
     attn = 0 if recompute == "selective" else Fraction(5 * a * s, h * t)
     if recompute == "full":
-        value = 2 * sbh / (t if sp else 1)
+        value = 2 * sbh
     elif sp:
         value = sbh * (Fraction(34, t) + attn)
     else:

@@ -7,18 +7,22 @@ each rank holds ``s/t`` tokens there. Each all-reduce of tensor parallelism beco
 two halves:
 
 - entering a column-parallel layer, an **all-gather** along the sequence (forward) whose
-  backward is a reduce-scatter — in place of *f*;
+  backward is a reduce-scatter — Korthikanti et al.'s *g*, in place of Megatron's *f*.
+  The backward is a reduce-scatter, not a split, because each rank multiplies the
+  gathered input by its own weight columns: every rank's gradient has a part for every
+  token, and the parts must be summed;
 - leaving a row-parallel layer, a **reduce-scatter** along the sequence (forward) whose
-  backward is an all-gather — in place of *g*.
+  backward is an all-gather — their *ḡ*, in place of Megatron's *g* (their *f̄*).
 
-An all-reduce is a reduce-scatter plus an all-gather, so each rank sends the same bytes
-as before (chapter 00). What changes is memory: everything outside the tensor-parallel
-regions is now split t ways.
+An all-reduce is a reduce-scatter plus an all-gather, so the forward pass sends the same
+bytes as before (chapter 00). What changes is memory: everything outside the
+tensor-parallel regions is now split t ways.
 
 Like Megatron-LM, :class:`SequenceParallelColumnLinear` keeps only this rank's ``s/t``
 slice of its input for the backward pass and gathers it again there (one more
-all-gather per column layer, backward); ``keep_gathered=True`` keeps the gathered input
-instead, trading ``(t−1)/t·sbh`` numbers of memory for that all-gather.
+all-gather per column layer, backward: the backward pass sends 1.5 times tensor
+parallelism's bytes); ``keep_gathered=True`` keeps the gathered input instead, trading
+``(t−1)/t·sbh`` numbers of memory for that all-gather.
 """
 from __future__ import annotations
 

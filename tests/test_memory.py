@@ -30,7 +30,7 @@ def table2(s, b, h, a, t, sp, recompute) -> Fraction:
     sbh = Fraction(s * b * h)
     core = Fraction(5 * a * s, h)                                          # 5as/h
     if recompute == "full":
-        return 2 * sbh / t if sp else 2 * sbh                              # 2sbh (the input, split under SP)
+        return 2 * sbh                                                     # 2sbh, whatever the layout
     if t == 1 and not sp and recompute == "none":
         return sbh * (34 + core)                                           # no parallelism
     printed = {
@@ -68,9 +68,12 @@ def test_total_equals_paper_formula_and_table_2_over_a_grid():
             continue
         want = table2(*case)
         assert want.denominator == 1, case
-        got = memory.activation_bytes_per_layer(*case)
-        assert isinstance(got, int) and got == want, (case, got, want)
         assert memory.paper_formula(*case) == want, case
+        got = memory.activation_bytes_per_layer(*case)
+        s, b, h, a, t, sp, recompute = case
+        if sp and recompute == "full":     # Megatron-LM keeps the layer input as it arrives: split by sequence
+            want = want / t
+        assert isinstance(got, int) and got == want, (case, got, want)
         assert sum(memory.activation_terms(*case).values()) == got, case
         answered += 1
     assert answered > 500 and refused > 100
@@ -91,7 +94,8 @@ def test_table_2_rows_for_paper_sized_models(s, b, h, a, t):
     assert f(s, b, h, a, t, recompute="selective") == sbh * 10 + sbh * 24 // t
     assert f(s, b, h, a, t, sp=True, recompute="selective") == sbh * 34 // t
     assert f(s, b, h, a, t, recompute="full") == 2 * sbh
-    assert f(s, b, h, a, t, sp=True, recompute="full") == 2 * sbh // t
+    assert f(s, b, h, a, t, sp=True, recompute="full") == 2 * sbh // t          # Megatron-LM's
+    assert memory.paper_formula(s, b, h, a, t, sp=True, recompute="full") == 2 * sbh   # Table 2's
     # Sequence parallelism with selective recomputation is exactly t times less than no parallelism
     # without the attention core (the paper's point).
     assert f(s, b, h, a, 1, recompute="selective") == t * f(s, b, h, a, t, sp=True, recompute="selective")
@@ -100,7 +104,7 @@ def test_table_2_rows_for_paper_sized_models(s, b, h, a, t):
 def test_defaults_are_the_papers_assumptions():
     assert memory.activation_terms(S, B, H, A) == memory.activation_terms(
         S, B, H, A, t=1, sp=False, recompute="none", itemsize=2, mask_bytes=1, dropout=True, ln_stats=False,
-        fused=False)
+        fused=False, keep_gathered=False)
     assert memory.activation_bytes_per_layer(S, B, H, A) == S * B * H * 34 + 5 * A * S * S * B
 
 
@@ -227,6 +231,33 @@ def test_sequence_parallelism_divides_exactly_the_replicated_terms():
                   "LayerNorm 2 input", "LayerNorm 2 statistics", "fc1 input", "MLP dropout mask"}
     for name in tp:
         assert sp[name] == (tp[name] // 4 if name in replicated else tp[name]), name
+
+
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_keeping_the_gathered_inputs_stores_them_whole(t, recompute):
+    """keep_gathered: the q|k|v and fc1 inputs as under TP (whole), everything else as under SP."""
+    tp = memory.activation_terms(S, B, H, A, t=t, recompute=recompute)
+    sp = memory.activation_terms(S, B, H, A, t=t, sp=True, recompute=recompute)
+    keep = memory.activation_terms(S, B, H, A, t=t, sp=True, recompute=recompute, keep_gathered=True)
+    assert set(keep) == set(sp)
+    for name in keep:
+        assert keep[name] == (tp[name] if name in memory.GATHERED_INPUTS else sp[name]), name
+    # 16-bit: sbh(30/t + 4 + 5as/(ht)) without recomputation, 4sbh(t−1)/t more than Table 2's TP+SP
+    sbh = S * B * H
+    assert sum(keep.values()) - sum(sp.values()) == 4 * sbh * (t - 1) // t
+    if recompute == "none":
+        assert sum(keep.values()) == Fraction(sbh) * (Fraction(30, t) + 4 + Fraction(5 * A * S, H * t))
+
+
+def test_keep_gathered_changes_nothing_under_full_recomputation():
+    assert memory.activation_terms(S, B, H, A, t=2, sp=True, recompute="full", keep_gathered=True) == \
+        memory.activation_terms(S, B, H, A, t=2, sp=True, recompute="full")
+
+
+def test_keep_gathered_without_sequence_parallelism_names_the_rule():
+    with pytest.raises(ValueError, match=re.escape("keep_gathered needs sequence parallelism (sp=True)")):
+        memory.activation_terms(S, B, H, A, t=2, keep_gathered=True)
 
 
 # ------------------------------------------------------------------ (c) bad sizes

@@ -4,7 +4,8 @@ Part 1. Every rank builds the same dense GPT block (no dropout) and checks three
 versions against it — tensor parallel (TP), TP + sequence parallel (SP) keeping only its
 slice of each gathered input, and TP + SP keeping the gathered inputs — output, input
 gradient and every parameter gradient (``torch.testing.assert_close``, float32
-defaults). It records each version's collectives.
+defaults). It records each version's collectives and prints the bytes each sends, forward
+and backward, as a multiple of TP's.
 
 Part 2. With dropout on and the attention written out (so that every tensor Korthikanti
 et al. 2022 count is really kept), each rank measures the bytes autograd saves for one
@@ -76,11 +77,15 @@ def correctness(d, s, b, h, heads) -> dict:
 CONFIGS = [  # label, layout kwargs, recompute, fused
     ("TP", dict(sequence_parallel=False), "none", False),
     ("TP+SP", dict(sequence_parallel=True), "none", False),
+    ("TP+SP, keep gathered", dict(sequence_parallel=True, keep_gathered=True), "none", False),
     ("TP + selective", dict(sequence_parallel=False), "selective", False),
     ("TP+SP + selective", dict(sequence_parallel=True), "selective", False),
-    ("TP+SP + full", dict(sequence_parallel=True), "full", False),
+    ("TP+SP + full (2sbh/t)", dict(sequence_parallel=True), "full", False),
     ("TP+SP, fused attention", dict(sequence_parallel=True), "none", True),
 ]
+# Full recomputation keeps the layer's input. Table 2 of the paper prints 2sbh for it; with
+# sequence parallelism that input arrives split by sequence, and Megatron-LM keeps it so:
+# 2sbh/t. The "paper" column of that row is the latter (memory.activation_bytes_per_layer).
 
 
 def measure(d, s, b, h, heads, p) -> list[dict]:
@@ -89,7 +94,7 @@ def measure(d, s, b, h, heads, p) -> list[dict]:
     rows = []
     for label, kw, recompute, fused in [("none (t = 1)", None, "none", False)] + CONFIGS:
         row = dict(label=label, sp=bool(kw and kw["sequence_parallel"]), recompute=recompute, fused=fused,
-                   t=1 if kw is None else t)
+                   keep_gathered=bool(kw and kw.get("keep_gathered")), t=1 if kw is None else t)
         for dtype, e in ((torch.float32, 4), (torch.bfloat16, 2)):
             torch.manual_seed(0)
             dense = Block(h, heads, dropout=0.0 if fused else p, fused=fused, recompute=recompute)
@@ -102,12 +107,13 @@ def measure(d, s, b, h, heads, p) -> list[dict]:
             y.float().sum().backward()                        # the saved tensors must do their job
             want = sum(memory.activation_terms(
                 s, b, h, heads, t=row["t"], sp=row["sp"], recompute=recompute, itemsize=e,
-                dropout=not fused, ln_stats=recompute != "full", stats_bytes=e, fused=fused).values())
+                dropout=not fused, ln_stats=recompute != "full", stats_bytes=e, fused=fused,
+                keep_gathered=row["keep_gathered"]).values())
             if report.total != want:
                 raise AssertionError(f"rank {r}, {label}, {dtype}: measured {report.total} bytes, "
                                      f"the adjusted formula says {want}\n{report.table()}")
             row[str(dtype).removeprefix("torch.")] = report.total
-        row["paper"] = None if fused else memory.activation_bytes_per_layer(
+        row["paper"] = None if fused or row["keep_gathered"] else memory.activation_bytes_per_layer(
             s, b, h, heads, t=row["t"], sp=row["sp"], recompute=recompute)
         rows.append(row)
     return rows
@@ -161,6 +167,14 @@ def report(d, a, checks, every) -> None:
             print(f"{name:22} {phase:9} {text:52} {sum(rec[4] for rec in recs):10.0f}")
     print(f"(after backward, TP+SP adds one all-reduce of the replicated parameters' gradients: "
           f"{checks['TP+SP']['sync']:.0f} bytes sent per rank, once per step)")
+    sent = {name: {phase: sum(rec[4] for rec in c["records"] if rec[0] == phase) for phase in ("forward", "backward")}
+            for name, c in checks.items()}
+    tp = sent["TP"]
+    for name in ("TP+SP", "TP+SP, keep gathered"):
+        fwd, bwd = sent[name]["forward"] / tp["forward"], sent[name]["backward"] / tp["backward"]
+        step = sum(sent[name].values()) / sum(tp.values())
+        print(f"bytes sent, {name} ÷ TP: forward {fwd:.2f}×, backward {bwd:.2f}× ({bwd - 1:+.0%}), "
+              f"forward + backward {step:.2f}×")
 
     print("\n2. Bytes saved for backward by one block, per rank, measured = the adjusted formula on every rank")
     print(f"{'configuration':26} {'float32':>9} {'bfloat16':>9} {'paper':>8}   bf16 − paper   ÷ s·b·h (bf16, paper)")
@@ -172,6 +186,8 @@ def report(d, a, checks, every) -> None:
         print(f"{row['label']:26} {row['float32']:9d} {row['bfloat16']:9d} "
               f"{'—' if paper is None else paper:>8}   {extra:>13}   {ratio}")
     print(f"(LayerNorm statistics in bf16: 2 × 2 × s·b × 2 bytes = {stats} bytes, divided by t under SP)")
+    print(f"(TP+SP + full: Table 2 prints 2sbh = {2 * sbh} bytes; 2sbh/t = {2 * sbh // t} is what Megatron-LM "
+          f"keeps, the layer's input split by sequence)")
     print("\nall checks passed on every rank")
 
 

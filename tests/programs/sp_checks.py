@@ -159,7 +159,10 @@ def check_collectives(fwd, bwd, sp, keep, recompute, n, what):
 # ---------------------------------------------------------------------------- memory
 
 def check_memory(n, r, group):
-    """Bytes autograd keeps for one block on this rank = the adjusted formula (float32, dropout 0.1)."""
+    """Bytes autograd keeps for one block on this rank = the adjusted formula (float32, dropout 0.1).
+
+    With and without keep_gathered; the difference is also checked by hand.
+    """
     for sp in (False, True):
         for recompute in ("none", "selective", "full"):
             measured = {}
@@ -174,10 +177,12 @@ def check_memory(n, r, group):
                 y.sum().backward()                  # the saved tensors must do their job
                 measured[keep] = report.total
                 expect(x.grad is not None and bool(torch.isfinite(x.grad).all()), f"{what}: input grad")
-            want = sum(memory.activation_terms(S, B, H, HEADS, t=n, sp=sp, recompute=recompute, itemsize=4,
-                                               ln_stats=recompute != "full", stats_bytes=4).values())
-            expect(measured[False] == want, f"rank {r}, sp={sp} recompute={recompute}: measured "
-                                            f"{measured[False]} bytes, the formula says {want}")
+            for keep in (False, True):
+                want = sum(memory.activation_terms(S, B, H, HEADS, t=n, sp=sp, recompute=recompute, itemsize=4,
+                                                   ln_stats=recompute != "full", stats_bytes=4,
+                                                   keep_gathered=keep and sp).values())
+                expect(measured[keep] == want, f"rank {r}, sp={sp} recompute={recompute} keep_gathered={keep}: "
+                                               f"measured {measured[keep]} bytes, the formula says {want}")
             # keep_gathered keeps the gathered (s, b, h) inputs of q|k|v and fc1 instead of
             # this rank's (s/t, b, h) slices: 2 · (t−1)/t · s·b·h numbers more.
             extra = 2 * (n - 1) * SBH // n * 4 if sp and recompute != "full" else 0
