@@ -7,8 +7,9 @@ Each of P ranks holds ``s/P`` tokens of q, k and v, laid out ``(b, heads, s_loca
   block it holds while the next block is already on its way, and merges the partial
   results with the log-sum-exp rule (:func:`merge_partials`). The backward pass sends the
   blocks round again, with their gradients travelling alongside.
-- Causal attention makes the ring unfair with ``layout="contiguous"``: rank r attends
-  to r+1 blocks, so the last rank works P times as long as the first. ``"zigzag"`` cuts
+- Causal attention makes the ring unfair with ``layout="contiguous"``: rank r computes
+  r+1 blocks, so the last rank computes P times the blocks of the first (and about 2P−1
+  times its unmasked scores, as the first's one block is half masked). ``"zigzag"`` cuts
   the sequence into 2P chunks and gives rank r chunks r and 2P−1−r, an early and a late
   one, so every rank does the same work (Megatron-LM's ``get_batch_on_this_cp_rank``).
 - :func:`ulysses_attention` (Jacobs et al. 2023, DeepSpeed-Ulysses) trades the sequence
@@ -98,15 +99,16 @@ def unshard_sequence(x_local: torch.Tensor, dim: int, group, layout: str = "cont
 
 # ---------------------------------------------------------------------------- blocks
 #
-# Numerics. A row's log-sum-exp ℓ = log Σ_j e^(s_j) is about as large as its largest
-# score, and float32 holds it only to within u·|ℓ| (u = 2^-24): 6e-4 at ℓ ≈ 1e4, more
-# than log 4 at ℓ ≈ 2^100. Normalising with exp(s − ℓ) would pass that absolute error on
-# to every probability as a relative one. So nothing below subtracts a rounded ℓ:
+# Numerics. A row's log-sum-exp lse = log Σ_j exp(z_j) of its scores z is about as large as
+# its largest score, and float32 holds it only to within u·|lse| (u = 2^-24): 6e-4 at
+# lse ≈ 1e4, more than log 4 at lse ≈ 2^100. Normalising with exp(z − lse) would pass that
+# absolute error on to every probability as a relative one. So nothing below subtracts a
+# rounded lse:
 # - a block subtracts its row max m (one of the scores, so exact) and divides by the row
-#   sum of exp(s − m);
-# - merge_partials' weights depend only on the difference of the two ℓs;
-# - the ring keeps ℓ in two parts, m and λ = log Σ_j e^(s_j − m), a number between 0 and
-#   log(keys) whose rounding is tiny, and the backward recomputes p = exp((s − m) − λ).
+#   sum of exp(z − m);
+# - merge_partials' weights depend only on the difference of the two lses;
+# - the ring keeps lse in two parts, m and λ = log Σ_j exp(z_j − m), a number between 0 and
+#   log(keys) whose rounding is tiny, and the backward recomputes p = exp((z − m) − λ).
 # A score that overflows to +∞ makes its row NaN (as SDPA does), never a finite answer.
 
 def merge_partials(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor):
@@ -129,10 +131,10 @@ def merge_partials(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor
 
 
 def _merge_parts(out, m, lam, block_out, block_m, block_lam):
-    """:func:`merge_partials` on log-sum-exps kept in two parts, ℓ = m + λ: (out, m, λ).
+    """:func:`merge_partials` on log-sum-exps kept in two parts, lse = m + λ: (out, m, λ).
 
-    Both sides' ℓ are written relative to the larger row max M, as (m − M) + λ: the side
-    holding M passes just its λ, and merge_partials sees small numbers, never |ℓ|. The
+    Both sides' lse are written relative to the larger row max M, as (m − M) + λ: the side
+    holding M passes just its λ, and merge_partials sees small numbers, never |lse|. The
     result's λ is relative to M, its new row max.
     """
     new_m = torch.maximum(m, block_m)
@@ -207,11 +209,38 @@ def schedule(rank: int, P: int, layout: str, causal: bool) -> list[list[tuple[in
     return steps
 
 
-def work_per_rank(s: int, P: int, layout: str, causal: bool) -> list[int]:
-    """Attention scores each rank computes (per batch element and head) in ring attention."""
+COUNTS = ("computed", "unmasked")
+
+
+def _pair_scores(piece: int, kind: str, count: str) -> int:
+    """Scores of one (query piece, key piece) pair: a full piece × piece block, or a diagonal
+    one, which this implementation computes whole but whose queries see only
+    piece·(piece + 1)/2 of its keys (the rest lie in their future)."""
+    if kind == "diagonal" and count == "unmasked":
+        return piece * (piece + 1) // 2
+    return piece * piece
+
+
+def work_per_step(s: int, P: int, layout: str, causal: bool, count: str = "computed") -> list[list[int]]:
+    """Attention scores each rank computes at each ring step (per batch element and head).
+
+    ``work_per_step(...)[r][i]`` is rank r's work at step i. ``count="computed"``: every
+    score of every block the schedule visits, diagonal blocks whole (what :func:`ring_attention`
+    computes and :func:`counting` records). ``count="unmasked"``: only the scores a query may
+    see, what a kernel that skips masked entries computes.
+    """
     check_sequence(s, P, layout)
+    if count not in COUNTS:
+        raise ValueError(f"count must be one of {COUNTS}, got {count!r}")
     piece = s // n_chunks(P, layout)
-    return [piece * piece * sum(len(step) for step in schedule(r, P, layout, causal)) for r in range(P)]
+    return [[sum(_pair_scores(piece, kind, count) for _, _, kind in step)
+             for step in schedule(r, P, layout, causal)] for r in range(P)]
+
+
+def work_per_rank(s: int, P: int, layout: str, causal: bool, count: str = "computed") -> list[int]:
+    """Attention scores each rank computes over the whole ring (per batch element and head);
+    ``count`` as in :func:`work_per_step`."""
+    return [sum(steps) for steps in work_per_step(s, P, layout, causal, count)]
 
 
 # ---------------------------------------------------------------------------- counting
@@ -249,26 +278,28 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, layout):
         P, r = dist.get_world_size(group), dist.get_rank(group)
-        plan = schedule(r, P, layout, causal)
-        n = len(chunk_ids(r, P, layout))
+        plan = schedule(r, P, layout, causal)     # per step: the (query piece, key piece, kind) pairs to compute
+        n = len(chunk_ids(r, P, layout))          # pieces per rank: 1 (contiguous) or 2 (zigzag)
         scale = 1.0 / math.sqrt(q.shape[-1])
         b, h, sl, d = q.shape
         w = _work_dtype(q.dtype)
         out = torch.zeros(b, h, sl, d, dtype=w, device=q.device)
-        # Each query row's log-sum-exp so far, ℓ = m + λ: m its largest score (−∞: no key
-        # yet), λ = log Σ e^(s − m). Kept apart, as ℓ itself is too coarse in float32 (see "blocks").
+        # Each query row's log-sum-exp so far, lse = m + λ: m its largest score (−∞: no key
+        # yet), λ = log Σ exp(z − m). Kept apart, as lse itself is too coarse in float32.
         m = torch.full((b, h, sl), float("-inf"), dtype=w, device=q.device)
         lam = torch.full_like(m, float("-inf"))
+        # The same tensors seen piece by piece (views: writing a piece writes the whole).
         out_p, m_p, lam_p, q_p = _pieces(out, n), _pieces(m, n), _pieces(lam, n), _pieces(q, n)
-        kv = [k, v]
+        kv = [k, v]                               # the key/value block held now: our own at step 0
         per_step = []
         for i, pairs in enumerate(plan):
-            pending = comm.ring_exchange_start(kv, 1, group, "ring k,v") if i < P - 1 else None  # overlap
+            # Send the held block to rank r+1 and receive the next from r−1, while computing below.
+            pending = comm.ring_exchange_start(kv, shift=1, group=group, label="ring k,v") if i < P - 1 else None
             k_p, v_p = _pieces(kv[0], n), _pieces(kv[1], n)
             done = 0
             for qi, kj, kind in pairs:
                 bo, bm, bl = _block_parts(q_p[qi], k_p[kj], v_p[kj], scale, kind == "diagonal")  # out, m, λ
-                merged, new_m, new_lam = _merge_parts(out_p[qi], m_p[qi], lam_p[qi], bo, bm, bl)  # ℓ = m + λ
+                merged, new_m, new_lam = _merge_parts(out_p[qi], m_p[qi], lam_p[qi], bo, bm, bl)  # lse = m + λ
                 out_p[qi].copy_(merged)
                 m_p[qi].copy_(new_m)
                 lam_p[qi].copy_(new_lam)

@@ -255,6 +255,56 @@ def test_non_causal_work_is_equal_and_covers_the_matrix(P, layout):
     assert work == [s * s // P] * P
 
 
+def brute_force_unmasked(s, P, layout):
+    """Causal (query, key) pairs with key ≤ query whose query a rank holds, by enumeration."""
+    n = cp.n_chunks(P, layout)
+    chunk = np.arange(s).reshape(n, s // n)
+    held = [np.concatenate([chunk[c] for c in cp.chunk_ids(r, P, layout)]) for r in range(P)]
+    return [int(sum(q + 1 for q in positions)) for positions in held]     # query q sees keys 0..q
+
+
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+@pytest.mark.parametrize("s, P", [(8, 1), (8, 2), (24, 3), (32, 4), (64, 8)])
+def test_unmasked_work_counts_the_visible_scores(s, P, layout):
+    unmasked = cp.work_per_rank(s, P, layout, True, count="unmasked")
+    assert unmasked == brute_force_unmasked(s, P, layout)
+    assert sum(unmasked) == s * (s + 1) // 2                  # the causal triangle, diagonal included
+    computed = cp.work_per_rank(s, P, layout, True)
+    piece = s // cp.n_chunks(P, layout)
+    diagonals = [sum(kind == "diagonal" for step in cp.schedule(r, P, layout, True) for _, _, kind in step)
+                 for r in range(P)]
+    assert [c - u for c, u in zip(computed, unmasked)] == [k * piece * (piece - 1) // 2 for k in diagonals]
+
+
+@pytest.mark.parametrize("P", range(1, 9))
+def test_contiguous_unmasked_work_tends_to_2P_minus_1(P):
+    s = 1024 * P
+    work = cp.work_per_rank(s, P, "contiguous", True, count="unmasked")
+    c = s // P
+    assert work == [r * c * c + c * (c + 1) // 2 for r in range(P)]
+    assert work[-1] / work[0] == pytest.approx(2 * P - 1, rel=2 / c)
+    assert cp.work_per_rank(s, P, "zigzag", True, count="unmasked") == [2 * P * (c // 2) ** 2 + c // 2] * P
+
+
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_work_per_step_sums_to_work_per_rank_and_is_half_a_block_under_zigzag(layout, causal):
+    s, P = 64, 4
+    for count in cp.COUNTS:
+        steps = cp.work_per_step(s, P, layout, causal, count)
+        assert [sum(row) for row in steps] == cp.work_per_rank(s, P, layout, causal, count)
+        assert all(len(row) == P for row in steps)
+    if causal and layout == "zigzag":             # after step 0, two full pieces: half of a (s/P)² block
+        assert all(w == (s // P) ** 2 // 2 for row in cp.work_per_step(s, P, layout, True) for w in row[1:])
+
+
+def test_work_count_must_be_known():
+    with pytest.raises(ValueError, match="count must be one of"):
+        cp.work_per_step(16, 2, "zigzag", True, count="masked")
+    with pytest.raises(ValueError, match="count must be one of"):
+        cp.work_per_rank(16, 2, "zigzag", True, count="")
+
+
 def global_pairs(P, layout, causal):
     """(query chunk, key chunk, kind, rank, step) for everything the ring computes."""
     out = []
