@@ -16,6 +16,11 @@ needs it:
   (SwiGLU keeps three ``ffn``-wide tensors where GeLU keeps two ``4h``-wide ones; an MoE
   layer keeps them for ``k`` experts per token, plus the shared ones). Under pipeline
   parallelism with 1F1B the first stage holds ``L`` layers' worth (Korthikanti et al.);
+- expert parallelism is carved out of data × context parallelism (``ep`` divides ``dp·cp``),
+  with each expert whole on its GPU: the classic layout. Megatron-Core's MoE parallel
+  folding, where the MoE layers get a grid of their own (expert tensor × expert × expert
+  data parallelism) and expert parallelism can span the tensor-parallel ranks too, is
+  not modelled;
 - communication per GPU and step: tensor parallelism 4 all-reduces of ``s·b·h`` per layer
   and micro-batch (chapter 02), context parallelism the ring's k/v blocks (chapter 04),
   expert parallelism two all-to-alls each way per MoE layer (chapter 06), pipeline

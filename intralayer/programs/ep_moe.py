@@ -24,7 +24,10 @@ Laptop (gloo, CPU)::
 
     torchrun --standalone --nproc-per-node 4 -m intralayer.programs.ep_moe
 
-One GPU node (NCCL) — written to be device-agnostic, not yet run on GPUs by the course::
+One GPU node (NCCL) — written to be device-agnostic, but not yet run on a GPU or with NCCL
+(``make gpu-check`` runs it there). Parts 1, 2 and 4 check the same things there; the
+times of parts 3 and 5 are CPU-clock readings, which on a GPU do not time the kernels
+(CUDA runs them asynchronously)::
 
     torchrun --standalone --nproc-per-node 8 -m intralayer.programs.ep_moe --tokens 4096
 """

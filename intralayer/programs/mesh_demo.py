@@ -18,6 +18,11 @@ gradient against the dense block and MoE layer run on both batches in one proces
 Laptop (gloo, CPU)::
 
     torchrun --standalone --nproc-per-node 4 -m intralayer.programs.mesh_demo
+
+Four GPUs (NCCL; the grid is 2 × 2, so exactly 4 ranks) — written to be device-agnostic,
+but not yet run on a GPU or with NCCL (``make gpu-check`` runs it there)::
+
+    torchrun --standalone --nproc-per-node 4 -m intralayer.programs.mesh_demo
 """
 from __future__ import annotations
 
