@@ -45,7 +45,7 @@ def ring_reduce_scatter_np(arrays: list[np.ndarray]) -> RingRun:
     """Reduce-scatter on a ring: device i ends with chunk i of the sum of all arrays.
 
     Each array is split into n chunks (``np.array_split`` on the flattened array). At
-    step s = 0 … n−2, device i sends its running partial sum of chunk (i−s−1) mod n to
+    step j = 1 … n−1, device i sends its running partial sum of chunk (i−j) mod n to
     device i+1, which adds its own copy of that chunk. After n−1 steps the partial sum
     of chunk i, having passed every device once, arrives complete at device i.
     """
@@ -54,8 +54,8 @@ def ring_reduce_scatter_np(arrays: list[np.ndarray]) -> RingRun:
     sent = [0] * n
     steps = []
     states = [[[c.copy() for c in p] for p in parts]]
-    for s in range(n - 1):
-        outgoing = [(i, (i + 1) % n, (i - s - 1) % n) for i in range(n)]
+    for j in range(1, n):
+        outgoing = [(i, (i + 1) % n, (i - j) % n) for i in range(n)]
         payload = [parts[i][c].copy() for i, _, c in outgoing]      # all send at once
         for (i, j, c), data in zip(outgoing, payload):
             parts[j][c] += data
@@ -68,7 +68,8 @@ def ring_reduce_scatter_np(arrays: list[np.ndarray]) -> RingRun:
 def ring_all_gather_np(chunks: list[np.ndarray]) -> RingRun:
     """All-gather on a ring: device i starts with chunk i and ends with all n in order.
 
-    At step s, device i forwards chunk (i−s) mod n, the one it received last, to i+1.
+    At step j = 1 … n−1, device i forwards chunk (i−j+1) mod n to i+1: its own chunk at
+    step 1, then the one it received last.
     """
     n = len(chunks)
     if n < 1:
@@ -81,10 +82,10 @@ def ring_all_gather_np(chunks: list[np.ndarray]) -> RingRun:
         return [[h[c].copy() if c in h else None for c in range(n)] for h in held]
 
     states = [snapshot()]
-    for s in range(n - 1):
-        outgoing = [(i, (i + 1) % n, (i - s) % n) for i in range(n)]
-        for i, j, c in outgoing:
-            held[j][c] = held[i][c].copy()
+    for j in range(1, n):
+        outgoing = [(i, (i + 1) % n, (i - j + 1) % n) for i in range(n)]
+        for i, nxt, c in outgoing:
+            held[nxt][c] = held[i][c].copy()
             sent[i] += held[i][c].nbytes
         steps.append(outgoing)
         states.append(snapshot())
@@ -92,7 +93,12 @@ def ring_all_gather_np(chunks: list[np.ndarray]) -> RingRun:
 
 
 def ring_all_reduce_np(arrays: list[np.ndarray]) -> RingRun:
-    """All-reduce as reduce-scatter followed by all-gather: 2(n−1) steps."""
+    """All-reduce as reduce-scatter followed by all-gather: 2(n−1) steps.
+
+    Numbering the steps j = 1 … 2(n−1) through both phases, device i sends chunk
+    (i−j) mod n at every step: the receiver adds it in the first n−1 steps and keeps the
+    finished chunk in the last n−1.
+    """
     n = _check_devices(arrays)
     shape = np.shape(arrays[0])
     rs = ring_reduce_scatter_np(arrays)

@@ -1,11 +1,14 @@
-"""The NumPy ring simulations, the α–β cost model and its fit, and the bus factors."""
+"""The NumPy ring simulations, the α–β cost model and its fit, the bus factors, and
+chapter 00's smallest program and bandwidth probe on real ranks."""
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
 
 from intralayer import collectives as C
-from intralayer import comm
+from intralayer import comm, launch
 
 NS = range(1, 7)
 LENGTHS = (1, 5, 7, 12, 13)   # several not divisible by most n, and 1 < n for n ≥ 2
@@ -136,6 +139,22 @@ def test_all_reduce_keeps_the_shape_and_dtype(n):
         assert r.shape == (3, 4) and r.dtype == np.float32
         np.testing.assert_array_equal(r, sum(arrays))
     assert np.mean(run.sent_bytes) == pytest.approx(2 * (n - 1) / n * 48, rel=1e-12)
+
+
+@pytest.mark.parametrize("n", range(2, 7))
+def test_all_reduce_step_j_sends_chunk_i_minus_j_in_both_phases(n):
+    """Chapter 00's rule, steps numbered 1 … 2(n−1) as its printout numbers them."""
+    run = C.ring_all_reduce_np(arrays_for(n, 2 * n))
+    assert len(run.steps) == 2 * (n - 1)
+    for j, step in enumerate(run.steps, start=1):
+        assert step == [(i, (i + 1) % n, (i - j) % n) for i in range(n)], j
+
+
+@pytest.mark.parametrize("n", range(2, 7))
+def test_all_gather_step_j_forwards_chunk_i_minus_j_plus_1(n):
+    run = C.ring_all_gather_np([np.full(2, float(i)) for i in range(n)])
+    for j, step in enumerate(run.steps, start=1):
+        assert step == [(i, (i + 1) % n, (i - j + 1) % n) for i in range(n)], j
 
 
 def test_all_reduce_rejects_unequal_shapes():
@@ -305,3 +324,27 @@ def test_fit_rejects_bad_data(sizes, times, rule):
 def test_fit_rejects_an_unknown_collective():
     with pytest.raises(ValueError, match="unknown collective"):
         C.fit_alpha_beta("gather", 4, [1e3, 1e6], [1e-5, 1e-3])
+
+
+# ------------------------------------------------------------------ real ranks: chapter 00's programs
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_hello_allreduce_sums_the_rank_numbers(nproc):
+    result = launch.run("intralayer.programs.hello_allreduce", nproc, show=False, timeout=60)
+    total = nproc * (nproc - 1) // 2
+    assert result.output.strip() == (f"{nproc} ranks, gloo: the all-reduce of the rank numbers 0 … {nproc - 1} "
+                                     f"left {total} on every rank: correct")
+    assert all(result.stdout[r] == "" for r in range(1, nproc))   # only rank 0 prints
+
+
+def test_bandwidth_records_what_gloo_ran(tmp_path):
+    """gloo runs a reduce-scatter as an all-reduce of a copy (chapter 00, section 5)."""
+    out = tmp_path / "bw.json"
+    launch.run("intralayer.programs.bandwidth", 2, args=["--max-bytes", "1024", "--repeats", "1", "--out", out],
+               show=False, timeout=60)
+    measured = json.loads(out.read_text())
+    assert measured["backend"] == "gloo" and measured["sizes"] == [256, 1024]
+    assert measured["backend_calls"] == {"all_reduce": ["gloo:all_reduce"], "all_gather": ["gloo:all_gather"],
+                                         "reduce_scatter": ["aten::clone", "gloo:all_reduce"],
+                                         "all_to_all": ["gloo:all_to_all"]}
+    assert all(len(t) == 2 and min(t) > 0 for t in measured["times"].values())

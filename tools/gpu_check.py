@@ -17,6 +17,7 @@ sys.path.insert(0, str(ROOT))
 
 #: (module, arguments, ranks it needs: None for "any", or an exact count; why it may be skipped)
 PROGRAMS = [
+    ("intralayer.programs.hello_allreduce", [], None),
     ("intralayer.programs.collectives", [], None),
     ("intralayer.programs.bandwidth", ["--max-bytes", str(1 << 26)], None),
     ("intralayer.programs.tp_linear", [], None),

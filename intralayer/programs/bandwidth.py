@@ -1,9 +1,13 @@
 """Chapter 00: time each collective over a range of message sizes (for the α–β fit).
 
-For every size S (bytes of float32) and collective, each rank runs a few warm-up calls,
+First, for each collective, the profiler records what the backend ran for one call:
+gloo and NCCL need not run the ring of chapter 00 (gloo runs a reduce-scatter as an
+all-reduce of a copy of the whole tensor, of which each rank keeps its chunk). Then for
+every size S (bytes of float32) and collective, each rank runs a few warm-up calls,
 then ``--repeats`` timed calls between barriers; the time of a call is the slowest
-rank's, and the reported time is the fastest repeat (the least disturbed by the other processes on a small machine). Rank 0 prints a table and,
-with ``--out``, writes the measurements as JSON.
+rank's, and the reported time is the fastest repeat (the least disturbed by the other
+processes on a small machine). Rank 0 prints a table and, with ``--out``, writes the
+measurements as JSON.
 
 Laptop (gloo, CPU)::
 
@@ -44,6 +48,20 @@ def one_call(op: str, S: int, n: int, device) -> callable:
     raise ValueError(f"unknown collective {op!r}")
 
 
+def backend_calls(op: str, d: distributed.Dist) -> list[str]:
+    """What the backend ran for one call of ``op``, as the profiler saw it.
+
+    The backend's own events (``gloo:…``, ``nccl:…``) and any ``aten::clone``, a full
+    copy of a tensor made on the way, in the order they started.
+    """
+    from torch.profiler import profile
+
+    call = one_call(op, 1024, d.world_size, d.device)
+    with profile() as prof:
+        call()
+    return [e.name for e in prof.events() if e.name.startswith(("gloo:", "nccl:")) or e.name == "aten::clone"]
+
+
 def measure(op: str, S: int, d: distributed.Dist, repeats: int, warmup: int = 2) -> float:
     call = one_call(op, S, d.world_size, d.device)
     for _ in range(warmup):
@@ -81,10 +99,13 @@ def main(argv=None) -> None:
         S *= 4
     with distributed.setup() as d:
         n = d.world_size
+        ran = {op: backend_calls(op, d) for op in OPS}
         results = {op: [measure(op, S, d, a.repeats) for S in sizes] for op in OPS}
         if d.is_main:
-            print(f"{n} ranks, {d.backend} on {d.device.type}: fastest of {a.repeats} calls, "
-                  f"busbw = S/t × bus factor")
+            print(f"{n} ranks, {d.backend} on {d.device.type}; what the backend ran (profiler):")
+            for op in OPS:
+                print(f"  {op:15} {', '.join(ran[op])}")
+            print(f"time: fastest of {a.repeats} calls, slowest rank; busbw = S/t × bus factor")
             print(f"{'S bytes':>10} " + " ".join(f"{op + ' µs':>17}" for op in OPS))
             for i, S in enumerate(sizes):
                 print(f"{S:10d} " + " ".join(f"{results[op][i] * 1e6:17.1f}" for op in OPS))
@@ -93,7 +114,8 @@ def main(argv=None) -> None:
                 f"{op} {big / results[op][-1] * bus_factor(op, n) / 1e9:.2f}" for op in OPS))
             if a.out:
                 with open(a.out, "w") as f:
-                    json.dump({"n": n, "backend": d.backend, "sizes": sizes, "times": results}, f, indent=1)
+                    json.dump({"n": n, "backend": d.backend, "sizes": sizes, "times": results,
+                               "backend_calls": ran}, f, indent=1)
 
 
 if __name__ == "__main__":

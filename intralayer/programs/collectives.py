@@ -3,8 +3,10 @@
 Each rank builds the same small deterministic tensors, runs all-reduce, all-gather,
 reduce-scatter, all-to-all (uneven splits, one of them empty) and a ring all-reduce
 written with send/recv only; it checks every result against what it computes locally
-from all ranks' inputs, then checks that the backward of all-gather is reduce-scatter
-and the other way round. Rank 0 gathers every rank's verdict and prints one table.
+from all ranks' inputs. Then the backward passes: of an all-gather whose output each
+rank uses differently (a reduce-scatter), of a gather whose output every rank uses
+identically (each keeps its own slice: a split), and of a reduce-scatter (an all-gather).
+Rank 0 gathers every rank's verdict and prints one table.
 
 Laptop (gloo, CPU)::
 
@@ -76,13 +78,19 @@ def run_checks(d: distributed.Dist) -> tuple[list[tuple[str, bool, comm.Record |
         got = ring_all_reduce(x)
     check("ring all-reduce (send/recv)", got, total, acc)
 
-    # Backward of all-gather is reduce-scatter: rank k weighs the gathered tensor by w_k,
-    # so d(sum_k loss_k)/dx_r is the r-th chunk of the sum of the w_k.
+    # Backward of an all-gather whose output each rank uses differently: rank k's loss
+    # weighs the gathered tensor by its own w_k, so d(sum_k loss_k)/dx_r is the r-th chunk
+    # of the sum of the w_k — a reduce-scatter.
     ws = [torch.full((2 * n * n, COLS), float(k + 1), device=dev) + torch.arange(2 * n * n, device=dev)[:, None]
           for k in range(n)]                                            # (2n·n, 3) each
     leaf = x.clone().requires_grad_()
     (comm.all_gather(leaf, dim=0) * ws[r]).sum().backward()
     rows.append(("backward of all_gather", bool(torch.equal(leaf.grad, sum(ws).chunk(n, 0)[r])), None, 0.0))
+    # Backward of a gather whose output every rank uses identically (one loss, w_0 on every
+    # rank): every rank already holds the whole gradient w_0; each keeps its chunk — a split.
+    leaf = x.clone().requires_grad_()
+    (comm.gather_from_group(leaf, dim=0) * ws[0]).sum().backward()
+    rows.append(("backward of gather, same use", bool(torch.equal(leaf.grad, ws[0].chunk(n, 0)[r])), None, 0.0))
     vs = [torch.full((ROWS_PER_RANK, COLS), float(k + 1), device=dev) for k in range(n)]  # (2, 3) each
     leaf = x.clone().requires_grad_()
     (comm.reduce_scatter(leaf, dim=0) * vs[r]).sum().backward()
@@ -98,6 +106,10 @@ def run_checks(d: distributed.Dist) -> tuple[list[tuple[str, bool, comm.Record |
 #: all-to-all's and the hand-written ring's bytes are counted send by send.
 HOW = {"all_reduce": "ring model", "all_gather": "ring model", "reduce_scatter": "ring model",
        "all_to_all": "counted", "ring all-reduce (send/recv)": "counted"}
+#: What each backward check found the gradient to be.
+BACKWARD = {"backward of all_gather": "reduce-scatter (each rank used the output differently)",
+            "backward of gather, same use": "split (every rank used the output identically)",
+            "backward of reduce_scatter": "all-gather"}
 FACTOR = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
           "all_to_all": "all_to_all", "ring all-reduce (send/recv)": "all_reduce"}
 
@@ -109,7 +121,7 @@ def report(d: distributed.Dist, rows, all_ok: bool) -> None:
     print(f"{'collective':28} {'rank 0':>6} {'S bytes':>8} {'sent':>6} {'sent/S':>7} {'bus factor':>10}  sent is")
     for name, ok, rec, sent in rows:
         if rec is None:
-            print(f"{name:28} {'ok' if ok else 'WRONG':>6}")
+            print(f"{name:28} {'ok' if ok else 'WRONG':>6}  = {BACKWARD[name]}")
             continue
         size = ROWS_PER_RANK * n * COLS * 4 if name.startswith("ring") else rec.bytes
         print(f"{name:28} {'ok' if ok else 'WRONG':>6} {size:8d} {sent:6.0f} {sent / size:7.3f} "

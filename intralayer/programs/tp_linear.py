@@ -130,6 +130,9 @@ def dtensor_cases(d: distributed.Dist, tokens: int, d_in: int, d_out: int) -> li
             out_theirs = a(xt)
         with bwd_mode:
             out_theirs.backward(upstream)
+        kinds = {str(op).rsplit(".", 1)[-1] for mode in (fwd_mode, bwd_mode) for op in mode.get_comm_counts()}
+        if kinds - {"all_reduce"}:                     # ours are all-reduces (f and g); DTensor's must be too
+            raise AssertionError(f"{name}: DTensor issued {sorted(kinds)}, expected all-reduces only")
         errs = {"output": compare(out_ours, out_theirs),
                 "input grad": compare(xo.grad, xt.grad)}
         grads = []
