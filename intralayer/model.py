@@ -5,12 +5,16 @@ splitting along the sequence (chapters 03–04) is a split of dimension 0. The b
 pre-LayerNorm: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``, with causal self-attention
 and a GeLU MLP of width ``ffn`` (4h unless given).
 
-Options for chapter 03's memory measurements, off by default (a parallel run can only be
-compared exactly with the dense one when no random numbers are drawn):
+Options for chapter 03's memory measurements, off by default (with dropout on, a parallel
+run equals the dense one only when both draw the same masks: see ``generator`` below):
 
 - ``dropout``: the probability, applied to the attention probabilities and after the
   attention and MLP outputs, as in GPT and in Korthikanti et al. 2022. It saves a 1-byte
   mask, as GPU kernels do (``torch.native_dropout``; CPU ``F.dropout`` keeps a float mask).
+  By default the masks come from torch's global generator. Chapter 02 draws them from
+  given generators instead (``Block.generator`` for the two dropouts on the residual
+  stream, ``Attention.generators`` for the attention probabilities, one generator per
+  group of heads), so that a tensor-parallel block and its dense twin draw the same masks.
 - ``fused``: attention through ``scaled_dot_product_attention`` (a FlashAttention-style
   kernel that keeps no s×s matrix) or, when False, written out — scores, softmax,
   dropout, weighted sum — so that every tensor the paper counts is really kept.
@@ -39,34 +43,84 @@ def check_shape(x: torch.Tensor, last: int, who: str, dims: tuple[int, ...] = (3
         raise ValueError(f"{who} expects {want} with the last of size {last}, got shape {tuple(x.shape)}")
 
 
-def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
-    """Dropout that saves a 1-byte mask for backward (``torch.native_dropout``)."""
+def dropout_mask(shape: tuple[int, ...], p: float, generator: torch.Generator) -> torch.Tensor:
+    """The keep-mask dropout draws from ``generator``: True with probability 1 − p.
+
+    One float32 uniform number per element on the generator's device, whatever the
+    activations' dtype, so a float32 and a float64 run draw the same mask.
+    """
+    _check_p(p)
+    if not isinstance(generator, torch.Generator):
+        raise ValueError(f"dropout needs a torch.Generator, got {type(generator).__name__}")
+    return torch.rand(shape, generator=generator, device=generator.device) >= p
+
+
+class _GeneratorDropout(torch.autograd.Function):
+    """``x · mask / (1 − p)`` with the mask drawn from a given generator; keeps the 1-byte mask."""
+
+    @staticmethod
+    def forward(ctx, x, p, generator):
+        keep = dropout_mask(x.shape, p, generator)                  # bool, like native_dropout's mask
+        ctx.save_for_backward(keep)
+        ctx.scale = 1 / (1 - p)
+        return x * keep * ctx.scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        (keep,) = ctx.saved_tensors
+        return grad * keep * ctx.scale, None, None
+
+
+def dropout(x: torch.Tensor, p: float, training: bool = True,
+            generator: torch.Generator | None = None) -> torch.Tensor:
+    """Dropout that saves a 1-byte mask for backward.
+
+    Without ``generator`` it is ``torch.native_dropout`` on torch's global generator;
+    with one, the mask is :func:`dropout_mask` drawn from it.
+    """
     if not training or p == 0:
         return x
-    return torch.native_dropout(x, p, True)[0]
+    if generator is None:
+        return torch.native_dropout(x, p, True)[0]
+    if generator.device != x.device:
+        raise ValueError(f"dropout: the generator is on {generator.device} but the activations are on {x.device}")
+    return _GeneratorDropout.apply(x, p, generator)
 
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, p: float = 0.0,
-                   fused: bool = True) -> torch.Tensor:
-    """softmax(q kᵀ/√d + mask) v for ``(b, heads, s, d)`` tensors, fused or written out."""
+                   fused: bool = True, generators: list[torch.Generator] | None = None) -> torch.Tensor:
+    """softmax(q kᵀ/√d + mask) v for ``(b, heads, s, d)`` tensors, fused or written out.
+
+    With ``generators`` the heads form ``len(generators)`` equal consecutive groups, and
+    group g's dropout mask is drawn from ``generators[g]``.
+    """
+    if generators is not None and (not generators or q.shape[1] % len(generators)):
+        raise ValueError(f"{q.shape[1]} heads do not split into {len(generators or [])} equal groups, "
+                         "one per dropout generator")
     if fused and p == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)        # (b, heads, s, d)
     s = q.shape[-2]
     scores = (q @ k.transpose(-2, -1)) * (1 / math.sqrt(q.shape[-1]))          # (b, heads, s, s)
     if causal:                                                                  # an added −∞ mask saves nothing
         scores = scores + torch.full((s, s), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
-    probs = dropout(torch.softmax(scores, dim=-1), p)                           # (b, heads, s, s)
+    probs = torch.softmax(scores, dim=-1)                                       # (b, heads, s, s)
+    if generators is None:
+        probs = dropout(probs, p)
+    else:                                                                       # G × (b, heads/G, s, s)
+        probs = torch.cat([dropout(group, p, generator=g)
+                           for group, g in zip(probs.chunk(len(generators), dim=1), generators)], dim=1)
     return probs @ v                                                            # (b, heads, s, d)
 
 
 def attend(qkv: torch.Tensor, heads: int, causal: bool = True, p: float = 0.0, fused: bool = True,
-           recompute: bool = False) -> torch.Tensor:
+           recompute: bool = False, generators: list[torch.Generator] | None = None) -> torch.Tensor:
     """Multi-head attention on a fused projection ``[q | k | v]`` of ``heads`` heads.
 
     ``qkv`` is ``(s, b, 3·heads·d)``; the result is ``(s, b, heads·d)``. Heads never
     interact, which is what lets tensor parallelism give each rank a subset of them.
     With ``recompute`` the core (scores, softmax, dropout, weighted sum) keeps nothing
-    for backward but q, k and v, and is run again in the backward pass.
+    for backward but q, k and v, and is run again in the backward pass. ``generators``:
+    see :func:`attention_core`.
     """
     if qkv.dim() != 3:
         raise ValueError(f"attention expects activations laid out (s, b, h), got shape {tuple(qkv.shape)}")
@@ -79,10 +133,10 @@ def attend(qkv: torch.Tensor, heads: int, causal: bool = True, p: float = 0.0, f
         return t.reshape(s, b, heads, -1).permute(1, 2, 0, 3)        # (b, heads, s, d)
 
     def core(q_, k_, v_):
-        return attention_core(q_, k_, v_, causal, p, fused)
+        return attention_core(q_, k_, v_, causal, p, fused, generators)
 
     args = (by_head(q), by_head(k), by_head(v))
-    o = checkpoint(core, *args) if recompute else core(*args)       # (b, heads, s, d)
+    o = checkpoint(core, *args, generators=generators or ()) if recompute else core(*args)   # (b, heads, s, d)
     return o.permute(2, 0, 1, 3).reshape(s, b, -1)                   # (s, b, heads·d)
 
 
@@ -90,10 +144,11 @@ class _Checkpoint(torch.autograd.Function):
     """Run ``fn`` without keeping its intermediates; run it again, with grad, in backward."""
 
     @staticmethod
-    def forward(ctx, fn, *inputs):
-        ctx.fn = fn
+    def forward(ctx, fn, generators, *inputs):
+        ctx.fn, ctx.generators = fn, generators
         ctx.rng = torch.get_rng_state()               # dropout must draw the same masks again
         ctx.cuda_rng = [torch.cuda.get_rng_state(t.device) for t in inputs[:1] if t.is_cuda]
+        ctx.gen_states = [g.get_state() for g in generators]          # and so must given generators
         ctx.save_for_backward(*inputs)                # the only tensors kept: the inputs
         with torch.no_grad():
             return fn(*inputs)
@@ -102,25 +157,34 @@ class _Checkpoint(torch.autograd.Function):
     def backward(ctx, *grads):
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
         devices = [t.device for t in inputs[:1] if t.is_cuda]
+        now = [g.get_state() for g in ctx.generators]
         with torch.random.fork_rng(devices=devices):
             torch.set_rng_state(ctx.rng)
             for dev, state in zip(devices, ctx.cuda_rng):
                 torch.cuda.set_rng_state(state, dev)
-            with torch.enable_grad():
-                out = ctx.fn(*inputs)
+            for g, state in zip(ctx.generators, ctx.gen_states):
+                g.set_state(state)
+            try:
+                with torch.enable_grad():
+                    out = ctx.fn(*inputs)
+            finally:                                  # leave the generators where forward left them
+                for g, state in zip(ctx.generators, now):
+                    g.set_state(state)
         outs = out if isinstance(out, tuple) else (out,)
         torch.autograd.backward(outs, grads)          # parameters' gradients accumulate here
-        return (None, *(t.grad if t.requires_grad else None for t in inputs))
+        return (None, None, *(t.grad if t.requires_grad else None for t in inputs))
 
 
-def checkpoint(fn, *inputs: torch.Tensor):
+def checkpoint(fn, *inputs: torch.Tensor, generators: tuple | list = ()):
     """Activation recomputation: keep only ``inputs`` for backward, recompute ``fn`` there.
 
     The same idea as ``torch.utils.checkpoint`` (its reentrant form), written out so
     that the course can count exactly what it keeps (Chen et al. 2016; Korthikanti et al.
-    2022 recompute only the attention core, "selective" recomputation).
+    2022 recompute only the attention core, "selective" recomputation). The recomputation
+    draws the same dropout masks: torch's global generator and each of ``generators`` are
+    rewound to their state before ``fn`` ran, then left where the forward pass left them.
     """
-    return _Checkpoint.apply(fn, *inputs)
+    return _Checkpoint.apply(fn, tuple(generators), *inputs)
 
 
 class MLP(nn.Module):
@@ -137,7 +201,13 @@ class MLP(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal self-attention with a fused q|k|v projection and an output projection."""
+    """Causal self-attention with a fused q|k|v projection and an output projection.
+
+    ``generators`` (None: torch's global generator) draws the attention-dropout masks, one
+    generator per equal group of consecutive heads (:func:`attention_core`).
+    """
+
+    generators: list[torch.Generator] | None = None
 
     def __init__(self, h: int, heads: int, bias: bool = True, causal: bool = True, dropout: float = 0.0,
                  fused: bool = True, recompute: bool = False):
@@ -151,12 +221,18 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         o = attend(self.qkv(x), self.heads, self.causal, self.p if self.training else 0.0, self.fused,
-                   self.recompute)                                   # (s, b, heads·d)
+                   self.recompute, self.generators)                  # (s, b, heads·d)
         return self.proj(o)                                          # (s, b, h)
 
 
 class Block(nn.Module):
-    """A pre-LayerNorm GPT block: ``x + drop(attn(ln1(x)))``, then ``x + drop(mlp(ln2(x)))``."""
+    """A pre-LayerNorm GPT block: ``x + drop(attn(ln1(x)))``, then ``x + drop(mlp(ln2(x)))``.
+
+    ``generator`` (None: torch's global generator) draws the masks of the two dropouts on
+    the residual stream; the attention's own dropout uses ``attn.generators``.
+    """
+
+    generator: torch.Generator | None = None
 
     def __init__(self, h: int, heads: int, ffn: int | None = None, causal: bool = True, dropout: float = 0.0,
                  fused: bool = True, recompute: str = "none"):
@@ -176,13 +252,16 @@ class Block(nn.Module):
         if x.dtype != self.ln1.weight.dtype or x.device != self.ln1.weight.device:
             raise ValueError(f"{type(self).__name__}: the input is {x.dtype} on {x.device} but the weights are "
                              f"{self.ln1.weight.dtype} on {self.ln1.weight.device}")
-        return checkpoint(self.layer, x) if self.recompute == "full" else self.layer(x)
+        if self.recompute != "full":
+            return self.layer(x)
+        generators = [g for g in (self.generator, *(self.attn.generators or ())) if g is not None]
+        return checkpoint(self.layer, x, generators=generators)
 
     def layer(self, x: torch.Tensor) -> torch.Tensor:
         """The block's computation (parallel blocks reuse it with sharded parts)."""
         p = self.p if self.training else 0.0
-        x = x + dropout(self.attn(self.ln1(x)), p)                   # (s, b, h)
-        return x + dropout(self.mlp(self.ln2(x)), p)                 # (s, b, h)
+        x = x + dropout(self.attn(self.ln1(x)), p, generator=self.generator)    # (s, b, h)
+        return x + dropout(self.mlp(self.ln2(x)), p, generator=self.generator)  # (s, b, h)
 
 
 def _check_p(p: float) -> None:

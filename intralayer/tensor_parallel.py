@@ -15,7 +15,16 @@ of the weights, so its outputs and gradients can be compared with the dense modu
   projection row-parallel.
 - :class:`ParallelBlock` — a whole GPT block: 2 all-reduces forward, 2 backward.
 - :class:`VocabParallelEmbedding` and :func:`vocab_parallel_cross_entropy` — the vocabulary
-  split over ranks; the ``b·s·v`` logits are never gathered.
+  split over ranks; the ``b·s·v`` logits are never gathered. :func:`padded_vocab_size` is
+  Megatron-LM's padding of the vocabulary to a multiple of 128·t.
+- :class:`RNGTracker`, :func:`model_parallel_seed`, :func:`seed_dropout` and
+  :func:`seed_dense_dropout` — dropout randomness as Megatron-LM places it: one seed,
+  the same on every rank, where activations are replicated; a seed per rank inside the
+  split attention.
+- :func:`block_costs`, :func:`comm_compute_ratio`, :func:`break_even_hidden` and
+  :func:`layer_times` — what a layer computes and sends, and when the all-reduces
+  outweigh the compute; :func:`check_link_degree` refuses NVLink groups larger than the
+  servers that have them.
 
 Weights live as ``nn.Linear`` does, ``(out_features, in_features)``, so "split by
 columns of A" (with ``Y = X A``) is a split of the weight's *rows*.
@@ -23,6 +32,7 @@ columns of A" (with ``Y = X A``) is a split of the weight's *rows*.
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 import torch.distributed as dist
@@ -30,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import comm
+from .collectives import LINKS, collective_time
 from .rules import check_group_device as _check_group_device, whole as _whole
 from .model import Attention, Block, TinyGPT, check_shape
 
@@ -57,6 +68,23 @@ def check_degrees(t: int, h: int | None = None, heads: int | None = None, ffn: i
                         (vocab, "vocabulary size")):
         if value is not None:
             check_divisible(value, t, what)
+
+
+#: Megatron-LM's ``--make-vocab-size-divisible-by`` default: each rank's vocabulary slice
+#: stays a multiple of 128 rows, for efficient matrix-multiply kernels.
+VOCAB_MULTIPLE = 128
+
+
+def padded_vocab_size(vocab: int, t: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    """The vocabulary padded as Megatron-LM pads it: up to a multiple of ``multiple·t``.
+
+    Then the vocabulary divides by t, and each rank's ``v/t`` rows are a multiple of
+    ``multiple``. No token id ever selects the extra rows.
+    """
+    _whole(vocab, "vocabulary size")
+    _whole(t, "the tensor-parallel degree t")
+    step = _whole(multiple, "the padding multiple") * t
+    return -(-vocab // step) * step
 
 
 def _degree(group) -> tuple[int, int]:
@@ -136,6 +164,89 @@ def block_costs(s: int, b: int, h: int, heads: int, t: int, itemsize: int = 2, f
     return dict(weights=split + replicated, weight_bytes=(split + replicated) * itemsize,
                 forward_flops=flops, step_flops=3 * flops, allreduce_S=S,
                 allreduces=4, sent=4 * sent)
+
+
+#: GPUs that one NVLink domain joins, for the NVLink links of :data:`intralayer.collectives.LINKS`.
+#: An HGX/DGX H100 server joins 8 H100 GPUs through NVSwitch; a GB200 NVL72 rack joins 72.
+#: A tensor-parallel group on such a link must fit in one domain.
+NVLINK_DOMAIN = {"NVLink 4 (H100 SXM)": 8, "NVLink 5 (GB200 NVL72)": 72}
+#: H100 SXM dense bf16 peak, FLOP/s (NVIDIA H100 datasheet).
+H100_BF16_PEAK = 989e12
+
+
+def check_link_degree(t: int, link: str) -> None:
+    """``ValueError`` naming the rule unless ``t`` GPUs fit in one domain of ``link``.
+
+    An NVLink link exists only among the GPUs of one server (8 for H100) or rack (72 for
+    GB200 NVL72): a larger tensor-parallel group would have to leave it. Links between
+    servers (InfiniBand, PCIe) set no such limit here.
+    """
+    _whole(t, "the tensor-parallel degree t")
+    if link not in LINKS:
+        raise ValueError(f"unknown link {link!r}; the links are {sorted(LINKS)}")
+    domain = NVLINK_DOMAIN.get(link)
+    if domain is not None and t > domain:
+        raise ValueError(f"t = {t} GPUs do not fit in one {link} domain: it joins {domain} GPUs, and a "
+                         f"tensor-parallel group on NVLink must stay inside one NVLink domain (t ≤ {domain})")
+
+
+def _check_rate(value: float, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
+        raise ValueError(f"{what} must be a positive number, got {value!r}")
+
+
+def comm_compute_ratio(h: int, t: int, flops: float, bandwidth: float, s: int = 0, itemsize: int = 2,
+                       passes: str = "forward") -> float:
+    """All-reduce time over compute time for one layer under tensor parallelism t.
+
+    Forward: compute ``(24bsh² + 4bs²h)/t`` FLOPs at ``flops`` FLOP/s (Narayanan et al.
+    2021), against 2 all-reduces that each send ``2(t−1)/t·sbh·itemsize`` bytes at
+    ``bandwidth`` bytes/s. b cancels, and so does s but for the attention term:
+
+        ratio = (t−1)·itemsize·flops / (6·h·bandwidth·(1 + s/(6h)))
+
+    ``s = 0`` drops the attention term. ``passes="forward+backward"``: the backward pass
+    has the same 2 all-reduces and twice the compute, so the ratio is 2/3 of the forward's.
+    """
+    _whole(h, "hidden size")
+    _whole(t, "the tensor-parallel degree t")
+    _whole(s, "sequence length s", minimum=0)
+    _whole(itemsize, "itemsize")
+    _check_rate(flops, "the sustained compute rate (FLOP/s)")
+    _check_rate(bandwidth, "the link bandwidth (bytes/s)")
+    if passes not in ("forward", "forward+backward"):
+        raise ValueError(f"passes must be 'forward' or 'forward+backward', got {passes!r}")
+    ratio = (t - 1) * itemsize * flops / (6 * h * bandwidth * (1 + s / (6 * h)))
+    return ratio if passes == "forward" else 2 * ratio / 3
+
+
+def break_even_hidden(t: int, flops: float, bandwidth: float, itemsize: int = 2, passes: str = "forward") -> float:
+    """The hidden size h at which a layer's all-reduces take as long as its matrix products.
+
+    :func:`comm_compute_ratio` = 1 without the attention term: ``h* = (t−1)·itemsize·flops /
+    (6·bandwidth)`` for the forward pass, 2/3 of that for forward and backward. Below h*
+    tensor parallelism of degree t is communication-bound (unless overlapped).
+    """
+    return comm_compute_ratio(1, t, flops, bandwidth, 0, itemsize, passes)
+
+
+def layer_times(s: int, b: int, h: int, heads: int, t: int, link: str, efficiency: float = 0.5,
+                peak: float = H100_BF16_PEAK, itemsize: int = 2) -> tuple[float, float]:
+    """Seconds of compute and of all-reduces per layer and device, forward and backward.
+
+    Compute: :func:`block_costs`' FLOPs at ``efficiency`` × ``peak``; communication: its
+    4 all-reduces of s·b·h numbers on ``link`` (chapter 00's ring model, latency ignored).
+    Refuses a degree t that no NVLink domain of ``link`` holds (:func:`check_link_degree`).
+    """
+    check_link_degree(t, link)
+    if isinstance(efficiency, bool) or not isinstance(efficiency, (int, float)) or not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency (the fraction of peak the matrix products reach) must lie in (0, 1], "
+                         f"got {efficiency!r}")
+    _check_rate(peak, "the peak compute rate (FLOP/s)")
+    c = block_costs(s, b, h, heads, t, itemsize)
+    compute = c["step_flops"] / (peak * efficiency)
+    comm_s = c["allreduces"] * collective_time("all_reduce", t, c["allreduce_S"], LINKS[link].bandwidth, 0.0)
+    return compute, comm_s
 
 
 # ---------------------------------------------------------------------------- linear layers
@@ -292,6 +403,103 @@ class ParallelBlock(Block):
         check_degrees(t, h=block.h, heads=block.attn.heads, ffn=block.mlp.fc1.out_features)
         return cls(copy.deepcopy(block.ln1), ParallelAttention.from_dense(block.attn, group),
                    copy.deepcopy(block.ln2), ParallelMLP.from_dense(block.mlp.fc1, block.mlp.fc2, group), block)
+
+
+# ---------------------------------------------------------------------------- dropout randomness
+
+#: Megatron-LM's offset between the default seed and the tensor-parallel one
+#: (``model_parallel_cuda_manual_seed``: ``seed + 2718 + tp_rank``).
+TP_SEED_OFFSET = 2718
+
+
+class RNGTracker:
+    """Named random generators on one device, after Megatron-LM's ``CudaRNGStatesTracker``.
+
+    Megatron-LM keeps named CUDA generator states and switches to one inside
+    ``tracker.fork(name)``; here each region's dropout is handed its ``torch.Generator``
+    directly (``Block.generator``, ``Attention.generators``), which works on any device.
+    As there, two names or two generators with the same seed are refused: two regions
+    would draw the same masks.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self._generators: dict[str, torch.Generator] = {}
+        self._seeds: dict[int, str] = {}
+
+    def add(self, name: str, seed: int) -> torch.Generator:
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"a seed must be a whole number ≥ 0, got {seed!r}")
+        if name in self._generators:
+            raise ValueError(f"the generator {name!r} already exists")
+        if seed in self._seeds:
+            raise ValueError(f"seed {seed} is already the seed of {self._seeds[seed]!r}: "
+                             f"{name!r} would draw the same masks")
+        g = torch.Generator(device=self.device)
+        g.manual_seed(seed)
+        self._generators[name], self._seeds[seed] = g, name
+        return g
+
+    def __getitem__(self, name: str) -> torch.Generator:
+        if name not in self._generators:
+            raise ValueError(f"no generator named {name!r}; this tracker has {sorted(self._generators)}")
+        return self._generators[name]
+
+    def seed(self, name: str) -> int:
+        self[name]
+        return next(seed for seed, n in self._seeds.items() if n == name)
+
+
+def model_parallel_seed(seed: int, rank: int, device: torch.device | str = "cpu") -> RNGTracker:
+    """The generators of tensor-parallel rank ``rank``, seeded as Megatron-LM seeds them.
+
+    - ``"default"``: ``seed``, the same on every rank of the group — for dropout where the
+      activations are replicated (on the residual stream, after each all-reduce *g*);
+    - ``"tensor-parallel"``: ``seed + 2718 + rank``, different on every rank — for dropout
+      inside a split region (this rank's attention heads).
+    """
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"the tensor-parallel rank must be a whole number ≥ 0, got {rank!r}")
+    tracker = RNGTracker(device)
+    tracker.add("default", seed)
+    tracker.add("tensor-parallel", seed + TP_SEED_OFFSET + rank)
+    return tracker
+
+
+def seed_dropout(block: "ParallelBlock", tracker: RNGTracker) -> None:
+    """Draw one tensor-parallel block's dropout masks from ``tracker``, as Megatron-LM does.
+
+    The two dropouts on the residual stream act on activations every rank holds whole:
+    they draw from ``"default"``, so every rank drops the same elements and the copies
+    stay identical. The attention dropout acts on this rank's heads only: it draws from
+    ``"tensor-parallel"``, so each rank's heads get their own mask.
+    """
+    if not isinstance(block, ParallelBlock):
+        raise ValueError(f"seed_dropout expects a tensor-parallel ParallelBlock, got {type(block).__name__}")
+    if getattr(block, "sequence_parallel", False):
+        raise ValueError("seed_dropout: under sequence parallelism the residual stream is split as well, and "
+                         "Megatron-LM draws all of the block's dropout from the tensor-parallel generator; "
+                         "this function places the masks of a block without sequence parallelism")
+    if not isinstance(tracker, RNGTracker):
+        raise ValueError(f"seed_dropout expects an RNGTracker, got {type(tracker).__name__}")
+    block.generator = tracker["default"]
+    block.attn.generators = [tracker["tensor-parallel"]]
+
+
+def seed_dense_dropout(block: Block, seed: int, t: int) -> None:
+    """Make a dense block draw the masks that t tensor-parallel ranks seeded with ``seed`` draw.
+
+    The residual-stream dropouts draw from the shared default seed; the attention heads
+    form t groups, and group r draws from rank r's tensor-parallel generator
+    (``seed + 2718 + r``), so the dense mask of group r is rank r's mask.
+    """
+    if not isinstance(block, Block):
+        raise ValueError(f"seed_dense_dropout expects a dense Block, got {type(block).__name__}")
+    check_degrees(t, h=block.h, heads=block.attn.heads)
+    device = block.ln1.weight.device
+    trackers = [model_parallel_seed(seed, r, device) for r in range(t)]
+    block.generator = trackers[0]["default"]
+    block.attn.generators = [tr["tensor-parallel"] for tr in trackers]
 
 
 # ---------------------------------------------------------------------------- vocabulary

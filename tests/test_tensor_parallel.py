@@ -252,3 +252,213 @@ def test_cost_functions_answer_or_explain_over_the_chapter_explorer_grids():
             assert "is not divisible by" in str(err)
             refused += 1
     assert answered and refused
+
+
+# ------------------------------------------------------------------ (e) dropout randomness on one process
+#
+# The multi-rank check (tests/programs/tp_checks.check_dropout) compares a parallel block with
+# dropout against its dense twin; here, the pieces it is built from.
+
+P = 0.25
+
+
+def test_model_parallel_seed_follows_megatron():
+    """Megatron-LM: default seed on every tensor-parallel rank; seed + 2718 + rank inside split regions."""
+    for rank in (0, 1, 3):
+        tracker = tp.model_parallel_seed(7, rank)
+        assert tracker.seed("default") == 7 and tracker.seed("tensor-parallel") == 7 + 2718 + rank
+        for name, seed in (("default", 7), ("tensor-parallel", 7 + 2718 + rank)):
+            want = torch.rand(5, generator=torch.Generator().manual_seed(seed))
+            assert torch.equal(torch.rand(5, generator=tracker[name]), want)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda tr: tr.add("default", 8), "the generator 'default' already exists"),
+    (lambda tr: tr.add("other", 7), "seed 7 is already the seed of 'default': 'other' would draw the same masks"),
+    (lambda tr: tr.add("other", -1), "a seed must be a whole number ≥ 0, got -1"),
+    (lambda tr: tr.add("other", 1.5), "a seed must be a whole number ≥ 0, got 1.5"),
+    (lambda tr: tr["attention"], "no generator named 'attention'; this tracker has ['default', 'tensor-parallel']"),
+    (lambda tr: tp.model_parallel_seed(7, -1), "the tensor-parallel rank must be a whole number ≥ 0, got -1"),
+    (lambda tr: tp.model_parallel_seed(7, True), "the tensor-parallel rank must be a whole number ≥ 0, got True"),
+])
+def test_rng_tracker_refuses_duplicates_and_unknown_names(call, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call(tp.model_parallel_seed(7, 0))
+
+
+def test_dropout_mask_keeps_one_minus_p_and_ignores_the_dtype():
+    keep = model.dropout_mask((200, 500), P, torch.Generator().manual_seed(0))
+    assert keep.dtype == torch.bool and abs(keep.float().mean().item() - (1 - P)) < 0.01   # 1e5 draws: σ ≈ 0.0014
+    x32, x64 = torch.ones(6, 7), torch.ones(6, 7, dtype=torch.float64)
+    y32 = model.dropout(x32, P, generator=torch.Generator().manual_seed(1))
+    y64 = model.dropout(x64, P, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(y32 != 0, y64 != 0)
+
+
+def test_dropout_with_a_generator_is_mask_over_keep_probability_and_saves_one_byte_per_element():
+    x = torch.randn(S, B, H, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = model.dropout(x, P, generator=torch.Generator().manual_seed(3))
+    keep = model.dropout_mask((S, B, H), P, torch.Generator().manual_seed(3))
+    torch.testing.assert_close(y, x * keep * (1 / (1 - P)), rtol=0, atol=0)
+    y.backward(torch.ones_like(y))
+    torch.testing.assert_close(x.grad, keep * (1 / (1 - P)), rtol=0, atol=0)
+    assert [t.dtype for t in saved] == [torch.bool]
+    assert model.dropout(x, P, training=False, generator=torch.Generator()) is x
+    assert model.dropout(x, 0.0, generator=torch.Generator()) is x
+
+
+def test_dropout_without_a_generator_is_still_native_dropout():
+    x = torch.randn(S, B, H)
+    torch.manual_seed(5)
+    want = torch.native_dropout(x, P, True)[0]
+    torch.manual_seed(5)
+    assert torch.equal(model.dropout(x, P), want)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("seed", "dropout needs a torch.Generator, got str"),
+])
+def test_dropout_mask_rejects_a_non_generator(bad, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        model.dropout_mask((2, 2), P, bad)
+
+
+def test_attention_dropout_draws_each_head_group_from_its_generator():
+    """Group g of the heads drops with generators[g]: the masks a rank with those heads would draw."""
+    torch.manual_seed(0)
+    attn = model.Attention(H, HEADS, dropout=P)
+    x = torch.randn(S, B, H)
+    groups = 2
+    attn.generators = [torch.Generator().manual_seed(10 + g) for g in range(groups)]
+    got = attn(x)
+    qkv = attn.qkv(x)
+    q, k, v = (t.reshape(S, B, HEADS, -1).permute(1, 2, 0, 3) for t in qkv.chunk(3, dim=-1))   # (b, a, s, d)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(H // HEADS) + torch.full((S, S), float("-inf")).triu(1)
+    keep = torch.cat([model.dropout_mask((B, HEADS // groups, S, S), P, torch.Generator().manual_seed(10 + g))
+                      for g in range(groups)], dim=1)                                           # (b, a, s, s)
+    o = (torch.softmax(scores, -1) * keep / (1 - P)) @ v                                        # (b, a, s, d)
+    torch.testing.assert_close(got, attn.proj(o.permute(2, 0, 1, 3).reshape(S, B, H)))
+    attn.generators = [torch.Generator() for _ in range(3)]
+    with pytest.raises(ValueError, match=re.escape("4 heads do not split into 3 equal groups, one per dropout generator")):
+        attn(x)
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recomputation_draws_the_same_masks_from_given_generators(recompute):
+    """Recomputing the attention core (or the block) rewinds the generators: same masks, same gradients."""
+    torch.manual_seed(0)
+    base = model.Block(H, HEADS, dropout=P)
+    x = torch.randn(S, B, H)
+    runs = []
+    for mode in ("none", recompute):
+        block = model.Block(H, HEADS, dropout=P, recompute=mode)
+        block.load_state_dict(base.state_dict())
+        tp.seed_dense_dropout(block, 11, 2)
+        xi = x.clone().requires_grad_()
+        y = block(xi)
+        y.backward(torch.ones_like(y))
+        gens = [block.generator, *block.attn.generators]
+        runs.append((y.detach(), xi.grad, block.mlp.fc1.weight.grad, [g.get_state() for g in gens]))
+    (y0, dx0, dw0, s0), (y1, dx1, dw1, s1) = runs
+    assert torch.equal(y0, y1) and torch.equal(dx0, dx1) and torch.equal(dw0, dw1)
+    assert all(torch.equal(a, b) for a, b in zip(s0, s1)), "recomputation left a generator elsewhere"
+
+
+def test_seed_dense_dropout_gives_group_r_rank_r_generator():
+    block = model.Block(H, HEADS, dropout=P)
+    tp.seed_dense_dropout(block, 5, 4)
+    assert len(block.attn.generators) == 4
+    for r, g in enumerate(block.attn.generators):
+        assert torch.equal(g.get_state(), tp.model_parallel_seed(5, r)["tensor-parallel"].get_state())
+    assert torch.equal(block.generator.get_state(), tp.model_parallel_seed(5, 0)["default"].get_state())
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: tp.seed_dense_dropout(model.Block(H, HEADS), 5, 8),
+     "number of heads 4 is not divisible by the tensor-parallel degree t=8"),
+    (lambda: tp.seed_dense_dropout(model.Attention(H, HEADS), 5, 2), "expects a dense Block, got Attention"),
+    (lambda: tp.seed_dropout(model.Block(H, HEADS), tp.model_parallel_seed(5, 0)),
+     "seed_dropout expects a tensor-parallel ParallelBlock, got Block"),
+])
+def test_seeding_names_the_broken_rule(call, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call()
+
+
+# ------------------------------------------------------------------ (f) vocabulary padding, links, closed forms
+
+@pytest.mark.parametrize("t, want", [(1, 50304), (2, 50432), (4, 50688), (8, 51200)])
+def test_padded_vocab_size_is_megatron_rule(t, want):
+    """GPT-2's 50,257 tokens padded to a multiple of 128·t: every shard a multiple of 128."""
+    got = tp.padded_vocab_size(50257, t)
+    assert got == want and got % t == 0 and (got // t) % 128 == 0 and got - 50257 < 128 * t
+    assert tp.padded_vocab_size(51200, 8) == 51200
+
+
+@pytest.mark.parametrize("args, message", [
+    ((0, 8), "vocabulary size must be a whole number ≥ 1, got 0"),
+    ((50257, 0), "the tensor-parallel degree t must be a whole number ≥ 1, got 0"),
+    ((50257, 2, 0), "the padding multiple must be a whole number ≥ 1, got 0"),
+])
+def test_padded_vocab_size_rejects_bad_input(args, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tp.padded_vocab_size(*args)
+
+
+@pytest.mark.parametrize("t, link", [(8, "NVLink 4 (H100 SXM)"), (72, "NVLink 5 (GB200 NVL72)"),
+                                     (64, "InfiniBand NDR (1 NIC)"), (1, "NVLink 4 (H100 SXM)")])
+def test_check_link_degree_accepts_groups_inside_a_domain(t, link):
+    assert tp.check_link_degree(t, link) is None
+
+
+@pytest.mark.parametrize("t, link, message", [
+    (16, "NVLink 4 (H100 SXM)", "t = 16 GPUs do not fit in one NVLink 4 (H100 SXM) domain: it joins 8 GPUs"),
+    (73, "NVLink 5 (GB200 NVL72)", "t = 73 GPUs do not fit in one NVLink 5 (GB200 NVL72) domain: it joins 72 GPUs"),
+    (8, "NVLink 9", "unknown link 'NVLink 9'"),
+    (0, "NVLink 4 (H100 SXM)", "the tensor-parallel degree t must be a whole number ≥ 1, got 0"),
+])
+def test_check_link_degree_names_the_rule(t, link, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tp.check_link_degree(t, link)
+    if "fit" in message:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            tp.layer_times(2048, 1, 16384, 128, t, link)
+
+
+@pytest.mark.parametrize("link", ["NVLink 4 (H100 SXM)", "InfiniBand NDR (1 NIC)", "NVLink 5 (GB200 NVL72)"])
+@pytest.mark.parametrize("t", [2, 4, 8])
+def test_closed_form_ratio_equals_the_cost_model(link, t):
+    """(t−1)·2·F/(6hB(1 + s/6h)) · 2/3 is layer_times' ratio, for any b; h* gives ratio 1."""
+    from intralayer.collectives import LINKS
+    F_ = tp.H100_BF16_PEAK * 0.5
+    bw = LINKS[link].bandwidth
+    for s, b, h, heads in ((2048, 1, 12288, 96), (8192, 4, 4096, 32), (2048, 2, 8192, 64)):
+        compute, comm_s = tp.layer_times(s, b, h, heads, t, link, efficiency=0.5)
+        want = tp.comm_compute_ratio(h, t, F_, bw, s=s, passes="forward+backward")
+        assert math.isclose(comm_s / compute, want, rel_tol=1e-12)
+    for passes in ("forward", "forward+backward"):
+        h_star = tp.break_even_hidden(t, F_, bw, passes=passes)
+        assert math.isclose(tp.comm_compute_ratio(1, t, F_, bw, passes=passes) / h_star, 1, rel_tol=1e-12)
+        assert math.isclose(h_star * 2 / 3 if passes == "forward" else h_star,
+                            tp.break_even_hidden(t, F_, bw, passes="forward+backward"), rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(flops=0), "the sustained compute rate (FLOP/s) must be a positive number, got 0"),
+    (dict(bandwidth=-1.0), "the link bandwidth (bytes/s) must be a positive number, got -1.0"),
+    (dict(passes="backward"), "passes must be 'forward' or 'forward+backward', got 'backward'"),
+    (dict(h=0), "hidden size must be a whole number ≥ 1, got 0"),
+])
+def test_comm_compute_ratio_rejects_bad_input(kwargs, message):
+    args = dict(h=4096, t=8, flops=5e14, bandwidth=4.5e11) | kwargs
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tp.comm_compute_ratio(**args)
+
+
+@pytest.mark.parametrize("efficiency", [0, 1.5, True, "half"])
+def test_layer_times_rejects_an_efficiency_outside_zero_to_one(efficiency):
+    with pytest.raises(ValueError, match=re.escape("efficiency (the fraction of peak the matrix products reach) "
+                                                   "must lie in (0, 1]")):
+        tp.layer_times(2048, 1, 12288, 96, 8, "NVLink 4 (H100 SXM)", efficiency=efficiency)

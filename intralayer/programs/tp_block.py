@@ -8,6 +8,15 @@ and checked against Megatron's count: 2 all-reduces forward and 2 backward, each
 s·b·h elements. The tiny GPT uses a vocabulary-parallel embedding and cross-entropy, so
 the (s, b, v) logits are never gathered. Rank 0 prints the tables.
 
+Then the block again with dropout on (``--dropout``, 0 to skip), its masks drawn as
+Megatron-LM draws them (:func:`~intralayer.tensor_parallel.model_parallel_seed`): the two
+dropouts on the replicated residual stream from a seed shared by every rank, the
+attention dropout of this rank's heads from ``seed + 2718 + rank``. The dense block draws
+its head group r's mask from rank r's generator, so output and gradients must match
+again. The masks are replayed from fresh generators and compared across ranks; the
+generators must have advanced by exactly those draws. Last, two wrong seedings, to show
+what each rule prevents.
+
 Laptop (gloo, CPU)::
 
     torchrun --standalone --nproc-per-node 4 -m intralayer.programs.tp_block
@@ -28,10 +37,14 @@ import torch.distributed as dist
 
 from intralayer import comm, distributed
 from intralayer.comm import bus_factor
-from intralayer.model import MLP, Attention, Block, TinyGPT
+from intralayer.model import MLP, Attention, Block, TinyGPT, dropout_mask
 from intralayer.programs.tp_linear import error_label
-from intralayer.tensor_parallel import (ParallelAttention, ParallelBlock, ParallelGPT, ParallelMLP, check_degrees,
-                                        expected_shards, weights_per_device)
+from intralayer.tensor_parallel import (TP_SEED_OFFSET, ParallelAttention, ParallelBlock, ParallelGPT, ParallelMLP,
+                                        RNGTracker, check_degrees, expected_shards, model_parallel_seed,
+                                        seed_dense_dropout, seed_dropout, weights_per_device)
+
+#: The line that starts the dropout part of the report (the chapter shows that part in its own section).
+DROPOUT_HEADER = "Dropout under tensor parallelism"
 
 
 def check_module(d, dense, parallel, x, dy) -> dict:
@@ -83,6 +96,75 @@ def block_checks(d, s, b, h, heads, vocab):
     return results
 
 
+def _gather(d, x: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``x`` (same shape on each), in rank order."""
+    out = [torch.empty_like(x) for _ in range(d.world_size)]
+    dist.all_gather(out, x.contiguous(), group=d.group)
+    return out
+
+
+def _masks(tracker: RNGTracker, s, b, h, local_heads, p):
+    """Replay the block's draws: 2 residual-stream masks from "default", the attention mask from "tensor-parallel"."""
+    resid = torch.stack([dropout_mask((s, b, h), p, tracker["default"]) for _ in range(2)])     # (2, s, b, h)
+    attn = dropout_mask((b, local_heads, s, s), p, tracker["tensor-parallel"])                  # (b, a/t, s, s)
+    return resid, attn
+
+
+def _drew_exactly(used: RNGTracker, replayed: RNGTracker) -> bool:
+    return all(torch.equal(used[n].get_state(), replayed[n].get_state()) for n in ("default", "tensor-parallel"))
+
+
+def dropout_checks(d, s, b, h, heads, p, seed) -> dict:
+    """A block with dropout against its dense twin, with the masks placed as Megatron-LM places them."""
+    dev, t, r = d.device, d.world_size, d.rank
+    local = heads // t
+    torch.manual_seed(0)
+    x = torch.randn(s, b, h, device=dev)                     # (s, b, h), the same on every rank
+    dy = torch.randn(s, b, h, device=dev)
+    dense = Block(h, heads, dropout=p).to(dev)
+    par = ParallelBlock.from_dense(dense, d.group)
+    seed_dense_dropout(dense, seed, t)                       # head group q draws from rank q's generator
+    tracker = model_parallel_seed(seed, r, dev)
+    seed_dropout(par, tracker)
+    res = check_module(d, dense, par, x, dy)
+
+    # The masks this rank drew, replayed; and the dense block's, group by group.
+    replay = model_parallel_seed(seed, r, dev)
+    resid, attn = _masks(replay, s, b, h, local, p)
+    dense_replay = [model_parallel_seed(seed, q, dev) for q in range(t)]
+    dense_resid = torch.stack([dropout_mask((s, b, h), p, dense_replay[0]["default"]) for _ in range(2)])
+    dense_attn = torch.cat([dropout_mask((b, local, s, s), p, tr["tensor-parallel"])
+                            for tr in dense_replay], dim=1)                                    # (b, a, s, s)
+    dense_drew = (torch.equal(dense.generator.get_state(), dense_replay[0]["default"].get_state())
+                  and all(torch.equal(g.get_state(), tr["tensor-parallel"].get_state())
+                          for g, tr in zip(dense.attn.generators, dense_replay)))
+    every_resid = _gather(d, resid.to(torch.uint8))
+    every_attn = _gather(d, attn.to(torch.uint8))
+    res.update(
+        resid_same=all(torch.equal(m, every_resid[0]) for m in every_resid),
+        resid_dense=torch.equal(resid, dense_resid),
+        attn_is_dense_slice=torch.equal(attn, dense_attn[:, r * local:(r + 1) * local]),
+        attn_differ=all(not torch.equal(every_attn[i], every_attn[j]) for i in range(t) for j in range(i)),
+        agree01=float((every_attn[0] == every_attn[-1]).float().mean()),    # ranks 0 and 1 (0 and 0 at t = 1)
+        drew_exactly=_drew_exactly(tracker, replay) and dense_drew,
+    )
+
+    # Wrong 1: a different seed per rank on the residual stream. The copies drift apart.
+    wrong = RNGTracker(dev)
+    wrong.add("default", seed + 1 + r)
+    wrong.add("tensor-parallel", seed + TP_SEED_OFFSET + r)
+    seed_dropout(par, wrong)
+    with torch.no_grad():
+        y = par(x)                                           # (s, b, h)
+    ys = _gather(d, y)
+    res["diverge"] = max(float((yr - ys[0]).abs().max()) for yr in ys)
+    # Wrong 2: one seed for the split attention on every rank. Every rank draws one mask.
+    same = model_parallel_seed(seed, 0, dev)                 # rank 0's seeds, on every rank
+    every_same = _gather(d, _masks(same, s, b, h, local, p)[1].to(torch.uint8))
+    res["same_attn"] = all(torch.equal(m, every_same[0]) for m in every_same)
+    return res
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--s", type=int, default=8, help="sequence length")
@@ -90,6 +172,8 @@ def main(argv=None) -> None:
     p.add_argument("--h", type=int, default=16, help="hidden size")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--vocab", type=int, default=64, help="vocabulary size")
+    p.add_argument("--dropout", type=float, default=0.1, help="dropout probability of the second part (0: skip it)")
+    p.add_argument("--seed", type=int, default=1234, help="the default dropout seed")
     a = p.parse_args(argv)
     with distributed.setup() as d:
         check_degrees(d.world_size, h=a.h, heads=a.heads, ffn=4 * a.h, vocab=a.vocab)
@@ -100,6 +184,47 @@ def main(argv=None) -> None:
         verify_counts(res["block"]["acc"], d.world_size, a.s * a.b * a.h)
         if d.is_main:
             report(d, a, res, every)
+        if a.dropout > 0:
+            drop = dropout_checks(d, a.s, a.b, a.h, a.heads, a.dropout, a.seed)
+            every = [None] * d.world_size
+            dist.all_gather_object(every, {k: v for k, v in drop.items() if k != "acc"})
+            verify_dropout(every)
+            if d.is_main:
+                report_dropout(d, a, every)
+
+
+def verify_dropout(every: list[dict]) -> None:
+    """Megatron-LM's rules, held on every rank; and the two wrong seedings visibly wrong."""
+    for r, res in enumerate(every):
+        for key, want in (("resid_same", True), ("resid_dense", True), ("attn_is_dense_slice", True),
+                          ("attn_differ", True), ("drew_exactly", True), ("same_attn", True)):
+            if res[key] is not want:
+                raise AssertionError(f"rank {r}: {key} is {res[key]}, expected {want}")
+        if not res["diverge"] > 0:
+            raise AssertionError(f"rank {r}: per-rank seeds on the residual stream left the copies equal")
+
+
+def report_dropout(d, a, every) -> None:
+    t, r0 = d.world_size, every[0]
+    worst = {f: max(rank[f] for rank in every) for f in ("out", "dx", "grads")}
+    print(f"\n{DROPOUT_HEADER}: p = {a.dropout}; seeds: 'default' {a.seed} on every rank, "
+          f"'tensor-parallel' {a.seed} + {TP_SEED_OFFSET} + rank")
+    print(f"block with dropout vs the dense block (head group r drawing from rank r's generator): "
+          f"output {error_label(worst['out'])}, dX {error_label(worst['dx'])}, grads {error_label(worst['grads'])}")
+    print(f"residual-stream masks, 2 × (s, b, h): identical on all {t} ranks: {r0['resid_same']}; "
+          f"equal to the dense block's: {r0['resid_dense']}")
+    print(f"attention masks, (b, a/t, s, s) = ({a.b}, {a.heads // t}, {a.s}, {a.s}): "
+          f"rank r's = the dense mask's heads of group r on every rank: "
+          f"{all(rank['attn_is_dense_slice'] for rank in every)}; any two ranks' equal: {not r0['attn_differ']}")
+    if t > 1:
+        print(f"ranks 0 and {t - 1} draw the same keep/drop decision at {r0['agree01']:.0%} of the attention "
+              f"positions (two independent masks: p² + (1 − p)² = {a.dropout ** 2 + (1 - a.dropout) ** 2:.0%})")
+    print(f"every generator advanced by exactly these draws: {all(rank['drew_exactly'] for rank in every)}")
+    print(f"\nwrong: seed {a.seed} + 1 + rank on the residual stream → the ranks' copies of the block's output "
+          f"differ by up to {max(rank['diverge'] for rank in every):.2f}")
+    print(f"wrong: seed {a.seed} + {TP_SEED_OFFSET} on every rank for the attention → every rank draws the same "
+          f"attention mask: {r0['same_attn']}")
+    print("\ndropout checks passed on every rank")
 
 
 def verify_counts(acc: comm.Accounting, t: int, sbh: int) -> None:

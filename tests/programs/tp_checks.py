@@ -6,7 +6,10 @@ gradients and parameter gradients — with the matching piece of the dense run. 
 expected pieces are cut here by hand (rows or columns of ``nn.Linear``'s weight) for the
 linear layers, and with ``expected_shards`` for the composite modules. It also checks
 the collectives each module issues (``comm.accounting``) and that bad input raises a
-``ValueError`` that names the rule.
+``ValueError`` that names the rule. With dropout on, the block's masks are placed as
+Megatron-LM places them (same seed where activations are replicated, a seed per rank in
+the split attention) and the block must still equal its dense twin, with and without
+recomputation.
 
 Any mismatch raises, so the rank, and the launch, fail; when every check passed on
 every rank, rank 0 prints ``MARKER`` followed by the number of ranks.
@@ -19,9 +22,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from intralayer import comm, distributed, model
-from intralayer.tensor_parallel import (ColumnParallelLinear, ParallelAttention, ParallelBlock, ParallelGPT,
-                                        ParallelMLP, RowParallelLinear, VocabParallelEmbedding,
-                                        expected_shards, vocab_parallel_cross_entropy, weights_per_device)
+from intralayer.sequence_parallel import ParallelBlock as SequenceParallelBlock
+from intralayer.tensor_parallel import (TP_SEED_OFFSET, ColumnParallelLinear, ParallelAttention, ParallelBlock,
+                                        ParallelGPT, ParallelMLP, RNGTracker, RowParallelLinear,
+                                        VocabParallelEmbedding, expected_shards, model_parallel_seed,
+                                        seed_dense_dropout, seed_dropout, vocab_parallel_cross_entropy,
+                                        weights_per_device)
 from tests.programs.checks import EXACT, expect, close, raises, dense_run
 
 # Tolerances: shards of dense weights are slices (EXACT); outputs and gradients against the
@@ -263,6 +269,81 @@ def check_accounting(n, r, group):
     expect(acc.records[0].elements == S * B * H, f"row forward: {acc.records[0].elements} elements")
 
 
+# ---------------------------------------------------------------------------- dropout
+
+P_DROP, SEED = 0.25, 99
+
+
+def gather(x: torch.Tensor, group) -> list[torch.Tensor]:
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, x.contiguous(), group=group)
+    return out
+
+
+def block_masks(tracker, n):
+    """Replay one block's draws: 2 residual-stream masks (s, b, h), then this rank's (b, a/n, s, s)."""
+    resid = torch.stack([model.dropout_mask((S, B, H), P_DROP, tracker["default"]) for _ in range(2)])
+    return resid, model.dropout_mask((B, HEADS // n, S, S), P_DROP, tracker["tensor-parallel"])
+
+
+def check_dropout(n, r, group):
+    x, up = randn(S, B, H, seed=30), randn(S, B, H, seed=31)
+    for causal in (True, False):
+        for recompute in model.RECOMPUTE:
+            what = f"dropout causal={causal} recompute={recompute}"
+            torch.manual_seed(32)
+            dense = model.Block(H, HEADS, causal=causal, dropout=P_DROP, recompute=recompute)
+            par = ParallelBlock.from_dense(dense, group)
+            seed_dense_dropout(dense, SEED, n)
+            tracker = model_parallel_seed(SEED, r)
+            seed_dropout(par, tracker)
+            check_against_dense(par, dense, x, up, what)
+            # The generators advanced by exactly one block's draws (recomputation rewinds them).
+            replay = model_parallel_seed(SEED, r)
+            block_masks(replay, n)
+            for name in ("default", "tensor-parallel"):
+                expect(torch.equal(tracker[name].get_state(), replay[name].get_state()),
+                       f"{what}: the {name!r} generator drew more or less than one block's masks")
+
+    # The masks: the same on every rank where replicated, rank r's own heads in the attention.
+    resid, attn = block_masks(model_parallel_seed(SEED, r), n)
+    dense_attn = torch.cat([block_masks(model_parallel_seed(SEED, q), n)[1] for q in range(n)], dim=1)   # (B, HEADS, S, S)
+    expect(torch.equal(attn, dense_attn[:, r * HEADS // n:(r + 1) * HEADS // n]),
+           "dropout: this rank's attention mask is not the dense mask of its heads")
+    every_resid, every_attn = gather(resid.to(torch.uint8), group), gather(attn.to(torch.uint8), group)
+    expect(all(torch.equal(m, every_resid[0]) for m in every_resid), "dropout: residual masks differ between ranks")
+    expect(all(not torch.equal(every_attn[i], every_attn[j]) for i in range(n) for j in range(i)),
+           "dropout: two ranks drew the same attention mask")
+
+    # Wrong seedings: per-rank seeds on the residual stream make the copies differ.
+    torch.manual_seed(32)
+    par = ParallelBlock.from_dense(model.Block(H, HEADS, dropout=P_DROP), group)
+    wrong = RNGTracker()
+    wrong.add("default", SEED + 1 + r)
+    wrong.add("tensor-parallel", SEED + TP_SEED_OFFSET + r)
+    seed_dropout(par, wrong)
+    with torch.no_grad():
+        ys = gather(par(x), group)
+    expect(any(not torch.equal(y, ys[0]) for y in ys), "dropout: per-rank residual seeds left every copy equal")
+    # Eval mode draws nothing.
+    par.eval()
+    before = [g.get_state() for g in (wrong["default"], wrong["tensor-parallel"])]
+    with torch.no_grad():
+        ys = gather(par(x), group)
+    expect(all(torch.equal(y, ys[0]) for y in ys), "dropout: eval outputs differ between ranks")
+    expect(all(torch.equal(a, g.get_state()) for a, g in zip(before, (wrong["default"], wrong["tensor-parallel"]))),
+           "dropout: eval mode drew random numbers")
+
+    # Bad input.
+    raises(lambda: seed_dropout(model.Block(H, HEADS), model_parallel_seed(SEED, r)), "ParallelBlock", "Block",
+           what="seed_dropout on a dense block")
+    raises(lambda: seed_dropout(par, {"default": torch.Generator()}), "RNGTracker", "dict",
+           what="seed_dropout with a dict")
+    sp = SequenceParallelBlock.from_dense(model.Block(H, HEADS, dropout=P_DROP), group)
+    raises(lambda: seed_dropout(sp, model_parallel_seed(SEED, r)), "sequence parallelism",
+           what="seed_dropout on a sequence-parallel block")
+
+
 # ---------------------------------------------------------------------------- bad input
 
 def check_bad_input(n, r, group):
@@ -341,6 +422,7 @@ def main(argv=None) -> None:
         check_attention_block_gpt(n, r, group)
         check_cross_entropy(n, r, group)
         check_accounting(n, r, group)
+        check_dropout(n, r, group)
         check_bad_input(n, r, group)
         dist.barrier()
         if d.is_main:
