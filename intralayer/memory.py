@@ -24,7 +24,7 @@ from .rules import whole as _whole
 RECOMPUTE = ("none", "selective", "full")
 
 # name, part, elements per (s·b·h) or per (a·s²·b) or per (s·b), kind, how it is split
-#   kind: "act" (itemsize bytes), "mask" (mask bytes), "stat" (float32 statistics)
+#   kind: "act" (itemsize bytes), "mask" (mask_bytes), "stat" (stats_bytes: LayerNorm mean and 1/σ)
 #   split: "tp" — divided by t under tensor parallelism; "rep" — replicated under tensor
 #   parallelism, divided by t under sequence parallelism; "core" — the attention core,
 #   divided by t and dropped by selective recomputation.

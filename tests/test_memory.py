@@ -337,6 +337,27 @@ def test_eval_mode_keeps_no_dropout_masks():
     assert not any(d == "bool" for _, d, _ in report.tensors)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_attention_with_residual_dropout_keeps_selective_plus_a_log_sum_exp(dtype):
+    """Chapter 03's fused row: dropout on the residual stream, none on the attention probabilities."""
+    torch.manual_seed(0)
+    block = model.Block(H, A, dropout=0.1, fused=True).to(dtype)
+    block.attn.p = 0.0                          # scaled_dot_product_attention is the fused kernel only at p = 0
+    report = _measure(block, torch.randn(S, B, H, dtype=dtype, requires_grad=True))
+    e = dtype.itemsize
+    kw = dict(itemsize=e, ln_stats=True, stats_bytes=e)
+    fused = memory.activation_terms(S, B, H, A, fused=True, **kw)
+    selective = memory.activation_terms(S, B, H, A, recompute="selective", **kw)
+    assert report.total == sum(fused.values()), f"\n{report.table()}\n{fused}"
+    assert sum(fused.values()) - sum(selective.values()) == A * S * B * 4
+
+
+def test_sp_block_counts_layernorm_statistics_as_the_kernels_keep_them():
+    from intralayer.programs.sp_block import stats_bytes
+    assert [stats_bytes(torch.device("cpu"), e) for e in (2, 4)] == [2, 4]     # the activations' own type
+    assert [stats_bytes(torch.device("cuda"), e) for e in (2, 4)] == [4, 4]    # float32 (accumulation type)
+
+
 def test_dropout_masks_are_one_byte():
     torch.manual_seed(0)
     block = model.Block(H, A, dropout=0.1, fused=False)

@@ -11,7 +11,10 @@ Part 2. With dropout on and the attention written out (so that every tensor Kort
 et al. 2022 count is really kept), each rank measures the bytes autograd saves for one
 block (``intralayer.memory.saved_bytes``) for each layout and recomputation choice, in
 float32 and bfloat16, and checks them against ``intralayer.memory.activation_terms``
-with the measurement's own assumptions. Rank 0 prints the tables and, with ``--out``,
+with the measurement's own assumptions (LayerNorm statistics: the activations' type on a
+CPU, float32 on a GPU). The fused-attention row keeps the two dropouts on the residual
+stream but not the one on the attention probabilities: ``scaled_dot_product_attention``
+serves as the fused kernel only without it. Rank 0 prints the tables and, with ``--out``,
 writes them as JSON.
 
 Laptop (gloo, CPU)::
@@ -42,7 +45,7 @@ LAYOUTS = {"TP": dict(sequence_parallel=False), "TP+SP": dict(sequence_parallel=
 
 def _diff(got, want) -> float:
     torch.testing.assert_close(got, want)                     # float32: rtol 1.3e-6, atol 1e-5
-    return float((got - want).abs().max())
+    return float((got - want).detach().abs().max())
 
 
 def correctness(d, s, b, h, heads) -> dict:
@@ -68,7 +71,7 @@ def correctness(d, s, b, h, heads) -> dict:
         want = expected_shards(block, dense, grads=True)
         errs = dict(out=_diff(got, piece(y)), dx=_diff(xin.grad, piece(xd.grad)),
                     grads=max(_diff(p.grad, want[n]) for n, p in block.named_parameters()))
-        out[name] = dict(errs=errs, records=[(rec.phase, rec.op, rec.label, rec.elements, rec.sent)
+        out[name] = dict(errs=errs, records=[(rec.phase, rec.op, rec.label, rec.bytes, rec.sent)
                                              for rec in acc.records],
                          sync=sync.sent(), in_shape=tuple(xin.shape))
     return out
@@ -88,6 +91,12 @@ CONFIGS = [  # label, layout kwargs, recompute, fused
 # 2sbh/t. The "paper" column of that row is the latter (memory.activation_bytes_per_layer).
 
 
+def stats_bytes(device: torch.device, itemsize: int) -> int:
+    """Bytes per LayerNorm statistic (mean, 1/σ): PyTorch's CUDA kernel keeps them in float32
+    (its accumulation type), its CPU kernel in the activations' own type."""
+    return 4 if device.type == "cuda" else itemsize
+
+
 def measure(d, s, b, h, heads, p) -> list[dict]:
     """Saved bytes per rank for no parallelism and each CONFIG, in float32 and bfloat16."""
     t, r, dev = d.world_size, d.rank, d.device
@@ -97,7 +106,9 @@ def measure(d, s, b, h, heads, p) -> list[dict]:
                    keep_gathered=bool(kw and kw.get("keep_gathered")), t=1 if kw is None else t)
         for dtype, e in ((torch.float32, 4), (torch.bfloat16, 2)):
             torch.manual_seed(0)
-            dense = Block(h, heads, dropout=0.0 if fused else p, fused=fused, recompute=recompute)
+            dense = Block(h, heads, dropout=p, fused=fused, recompute=recompute)
+            if fused:
+                dense.attn.p = 0.0                            # the fused kernel runs without attention dropout
             dense = dense.to(device=dev, dtype=dtype)
             block = dense if kw is None else ParallelBlock.from_dense(dense, d.group, **kw)
             rows_in = s // t if row["sp"] else s
@@ -107,7 +118,7 @@ def measure(d, s, b, h, heads, p) -> list[dict]:
             y.float().sum().backward()                        # the saved tensors must do their job
             want = sum(memory.activation_terms(
                 s, b, h, heads, t=row["t"], sp=row["sp"], recompute=recompute, itemsize=e,
-                dropout=not fused, ln_stats=recompute != "full", stats_bytes=e, fused=fused,
+                ln_stats=recompute != "full", stats_bytes=stats_bytes(dev, e), fused=fused,
                 keep_gathered=row["keep_gathered"]).values())
             if report.total != want:
                 raise AssertionError(f"rank {r}, {label}, {dtype}: measured {report.total} bytes, "
@@ -154,17 +165,17 @@ def report(d, a, checks, every) -> None:
         worst = {k: max(rank[0][name][k] for rank in every) for k in ("out", "dx", "grads")}
         print(f"{name:22} {str(c['in_shape']):>12} " + " ".join(f"{error_label(worst[k]):>7}"
                                                            for k in ("out", "dx", "grads")))
-    print(f"\nCollectives of one block on rank 0 (S in elements; s·b·h = {sbh}):")
-    print(f"{'layout':22} {'phase':9} {'collectives':52} {'sent bytes':>10}")
+    print(f"\nCollectives of one block on rank 0 (S in bytes, float32; s·b·h = {sbh} numbers):")
+    print(f"{'layout':22} {'phase':9} {'collectives':56} {'sent bytes':>10}")
     for name, c in checks.items():
         for phase in ("forward", "backward"):
             recs = [rec for rec in c["records"] if rec[0] == phase]
             ops = {}
-            for _, op, label, elements, _ in recs:
-                key = f"{op} S={elements}"
+            for _, op, label, nbytes, _ in recs:
+                key = f"{op} S={nbytes} B"
                 ops[key] = ops.get(key, 0) + 1
             text = ", ".join(f"{n}× {k}" for k, n in ops.items())
-            print(f"{name:22} {phase:9} {text:52} {sum(rec[4] for rec in recs):10.0f}")
+            print(f"{name:22} {phase:9} {text:56} {sum(rec[4] for rec in recs):10.0f}")
     print(f"(after backward, TP+SP adds one all-reduce of the replicated parameters' gradients: "
           f"{checks['TP+SP']['sync']:.0f} bytes sent per rank, once per step)")
     sent = {name: {phase: sum(rec[4] for rec in c["records"] if rec[0] == phase) for phase in ("forward", "backward")}
@@ -178,14 +189,16 @@ def report(d, a, checks, every) -> None:
 
     print("\n2. Bytes saved for backward by one block, per rank, measured = the adjusted formula on every rank")
     print(f"{'configuration':26} {'float32':>9} {'bfloat16':>9} {'paper':>8}   bf16 − paper   ÷ s·b·h (bf16, paper)")
-    stats = 2 * 2 * a.s * a.b * 2                      # two LayerNorms × (mean, 1/σ) × s·b × 2 bytes
+    per = stats_bytes(d.device, 2)                     # bytes per statistic with bf16 activations
+    stats = 2 * 2 * a.s * a.b * per                    # two LayerNorms × (mean, 1/σ) × s·b × bytes
     for row in every[0][1]:
         paper = row["paper"]
         extra = "" if paper is None else f"{row['bfloat16'] - paper:13d}"
         ratio = f"{row['bfloat16'] / sbh:7.3f}" + ("" if paper is None else f" {paper / sbh:7.3f}")
         print(f"{row['label']:26} {row['float32']:9d} {row['bfloat16']:9d} "
               f"{'—' if paper is None else paper:>8}   {extra:>13}   {ratio}")
-    print(f"(LayerNorm statistics in bf16: 2 × 2 × s·b × 2 bytes = {stats} bytes, divided by t under SP)")
+    kept = "bf16" if per == 2 else "float32"
+    print(f"(LayerNorm statistics in {kept}: 2 × 2 × s·b × {per} bytes = {stats} bytes, divided by t under SP)")
     print(f"(TP+SP + full: Table 2 prints 2sbh = {2 * sbh} bytes; 2sbh/t = {2 * sbh // t} is what Megatron-LM "
           f"keeps, the layer's input split by sequence)")
     print("\nall checks passed on every rank")
