@@ -19,7 +19,11 @@ Laptop (gloo, CPU)::
 
 One GPU node (NCCL), a longer sequence::
 
-    torchrun --standalone --nproc-per-node 8 -m intralayer.programs.cp_attention --s 4096 --heads 16 --d 64
+    torchrun --standalone --nproc-per-node 8 -m intralayer.programs.cp_attention --seq-len 4096 --heads 16 --head-dim 64
+
+(The short spellings ``--s`` and ``--d`` work when the program is run without torchrun, but
+torchrun's own argument parser rejects them as ambiguous abbreviations of its options, such as
+``--standalone`` and ``--duplicate-stdout-filters``.)
 """
 from __future__ import annotations
 
@@ -70,7 +74,7 @@ def check(d, b, heads, s, dh, causal, seed) -> dict:
         for key, got in errs.items():
             expect = cp.shard_sequence(want[key].detach(), 2, g, lay)
             torch.testing.assert_close(got, expect)              # float32: rtol 1.3e-6, atol 1e-5
-            diffs[key] = float((got - expect).abs().max())
+            diffs[key] = float((got.detach() - expect).abs().max())
         whole = cp.unshard_sequence(out.detach(), 2, g, lay)
         torch.testing.assert_close(whole, ref.detach())
         results[method] = dict(diffs=diffs, scores=work.scores, steps=work.steps,
@@ -80,10 +84,12 @@ def check(d, b, heads, s, dh, causal, seed) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--s", type=int, default=32, help="sequence length (divisible by 2 × ranks)")
-    ap.add_argument("--b", type=int, default=2)
+    # Long names: torchrun would take --s or --d for abbreviations of its own options.
+    ap.add_argument("--seq-len", "--s", dest="s", type=int, default=32,
+                    help="sequence length (divisible by 2 × ranks)")
+    ap.add_argument("--batch", "--b", dest="b", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--d", type=int, default=8, help="head dimension")
+    ap.add_argument("--head-dim", "--d", dest="d", type=int, default=8, help="head dimension")
     ap.add_argument("--out", help="write rank 0's tables to this JSON file")
     a = ap.parse_args(argv)
     with distributed.setup() as d:
