@@ -23,7 +23,7 @@ Laptop (gloo, CPU)::
 
 One GPU node (NCCL)::
 
-    torchrun --standalone --nproc-per-node 8 -m intralayer.programs.sp_block --s 512 --h 1024 --heads 16
+    torchrun --standalone --nproc-per-node 8 -m intralayer.programs.sp_block --seq-len 512 --hidden 1024 --heads 16
 """
 from __future__ import annotations
 
@@ -132,9 +132,12 @@ def measure(d, s, b, h, heads, p) -> list[dict]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--s", type=int, default=32, help="sequence length (divisible by the number of ranks)")
-    ap.add_argument("--b", type=int, default=2, help="micro-batch")
-    ap.add_argument("--h", type=int, default=64, help="hidden size")
+    # Long names: after ``-m module`` torchrun still reads an abbreviation of one of its own
+    # options (--s, --h for --help), so the short forms work only without torchrun.
+    ap.add_argument("--seq-len", "--s", dest="s", type=int, default=32,
+                    help="sequence length (divisible by the number of ranks)")
+    ap.add_argument("--batch", "--b", dest="b", type=int, default=2, help="micro-batch")
+    ap.add_argument("--hidden", "--h", dest="h", type=int, default=64, help="hidden size")
     ap.add_argument("--heads", type=int, default=8, help="attention heads")
     ap.add_argument("--dropout", type=float, default=0.1, help="dropout probability for part 2")
     ap.add_argument("--out", help="write rank 0's tables to this JSON file")
