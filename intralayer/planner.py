@@ -8,7 +8,9 @@ needs it:
 - weights, gradients and optimizer state in mixed precision: 2 + 2 + 12 bytes per
   parameter (bf16 weights and gradients; fp32 master weights, Adam's two moments), with
   ZeRO stages 1–3 sharding the optimizer state, then the gradients, then the weights over
-  the data-parallel group (Rajbhandari et al. 2020);
+  the data-parallel group (Rajbhandari et al. 2020). Megatron-LM's estimate
+  (``theoretical_memory_usage.py``) counts 18 bytes, with fp32 gradients; so did Llama 3 and
+  DeepSeek-V3: the 2-byte gradients here are half of theirs;
 - pipeline stages hold ``ceil(L/pp)`` layers at most (the planner sizes the fullest);
 - activations: Korthikanti et al.'s per-layer terms (:mod:`intralayer.memory`, chapter 03)
   on the sequence each GPU holds (``s/cp``) with a fused attention kernel, adjusted for
@@ -27,13 +29,17 @@ needs it:
   parallelism one activation each way per micro-batch and stage boundary, data
   parallelism one all-reduce of the gradients per step (ring: 2(n−1)/n of them);
 - time: 6 FLOPs per active parameter and token plus attention's ``12·L·h·s`` per token
-  (Narayanan et al. 2021), at an assumed sustained fraction of peak; TP, CP and EP traffic
-  exposed, data-parallel traffic hidden behind the backward pass where it fits, and the
-  1F1B pipeline bubble ``(pp−1)/(m+pp−1)``.
+  (Narayanan et al. 2021, without recomputation), at an assumed sustained fraction of peak;
+  TP, CP and EP traffic exposed, data-parallel traffic hidden behind the backward pass where
+  it fits, and the plain 1F1B pipeline bubble, ``(pp−1)/m`` of the compute for ``m``
+  micro-batches (``(pp−1)/(m+pp−1)`` of the pipeline's time; no interleaved schedule);
+- MFU: ``6·N_active`` FLOPs per token over the step time and the peak, without attention's
+  ``12·L·h·s`` (which PaLM's definition, used by Llama 3, counts).
 
 What it leaves out is listed in chapter 08: kernel efficiencies, overlap of TP/EP
-traffic, memory fragmentation and framework buffers, the embedding's extra activations,
-MLA's exact activation shapes, and load imbalance between experts.
+traffic, interleaved and other pipeline schedules, the forward all-reduces that full
+recomputation repeats, memory fragmentation and framework buffers, the embedding's extra
+activations, MLA's exact activation shapes, and load imbalance between experts.
 """
 from __future__ import annotations
 
