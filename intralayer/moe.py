@@ -10,7 +10,8 @@
   balancing and its group (node) limited routing.
 - :class:`MoELayer`: router + SwiGLU experts (+ optional shared expert), forward and
   backward, with tokens sorted and grouped by expert; :meth:`MoELayer.forward_naive` is
-  the per-token loop it is checked against.
+  the per-token loop it is checked against, with routing of its own (its own top-k, its
+  own capacity queues), so that a routing bug in the fast path shows as a difference.
 """
 from __future__ import annotations
 
@@ -119,7 +120,10 @@ def capacity(tokens: int, experts: int, k: int, capacity_factor: float) -> int:
     """Assignments one expert accepts: ``ceil(capacity_factor · tokens · k / experts)``.
 
     Switch Transformer's tokens/experts × factor (Fedus et al. 2021), with k assignments
-    per token as Megatron-Core counts them.
+    per token and rounded up as Megatron-Core's ``get_capacity`` does (Mesh TensorFlow, and
+    the course's opening example, round down: the two differ only when the product is not
+    whole). The ``- 1e-9`` keeps a whole product computed a hair too high (1.1 · 100 · 1 / 10
+    is 11.000000000000002 in floating point) from rounding up to the next number.
     """
     if not (isinstance(capacity_factor, (int, float)) and 0 < capacity_factor < math.inf):
         raise ValueError(f"capacity factor must be a finite number > 0, got {capacity_factor!r}")
@@ -238,15 +242,7 @@ def group_limited_topk(scores: torch.Tensor, k: int, groups: int, top_groups: in
     Returns the (tokens, k) expert indices.
     """
     T, E = scores.shape
-    _whole(groups, "groups")
-    _whole(k, "k (experts per token)")
-    _whole(top_groups, "top_groups")
-    if E % groups:
-        raise ValueError(f"{E} experts do not split into {groups} equal groups")
-    if not 1 <= top_groups <= groups:
-        raise ValueError(f"top_groups={top_groups} must lie between 1 and groups={groups}")
-    if k > top_groups * (E // groups):
-        raise ValueError(f"k={k} experts cannot come from {top_groups} groups of {E // groups}")
+    _check_groups(E, k, groups, top_groups)
     choose = scores if bias is None else scores + bias
     per_group = choose.view(T, groups, E // groups)                              # (T, G, E/G)
     group_score = per_group.topk(min(2, E // groups), dim=-1).values.sum(-1)     # (T, G)
@@ -256,15 +252,29 @@ def group_limited_topk(scores: torch.Tensor, k: int, groups: int, top_groups: in
     return masked.topk(k, dim=-1).indices
 
 
+def _check_groups(E: int, k: int, groups: int, top_groups: int) -> None:
+    """Group-limited routing needs equal groups and enough experts in the groups kept."""
+    _whole(groups, "groups")
+    _whole(k, "k (experts per token)")
+    _whole(top_groups, "top_groups")
+    if E % groups:
+        raise ValueError(f"{E} experts do not split into {groups} equal groups")
+    if not 1 <= top_groups <= groups:
+        raise ValueError(f"top_groups={top_groups} must lie between 1 and groups={groups}")
+    if k > top_groups * (E // groups):
+        raise ValueError(f"k={k} experts cannot come from {top_groups} groups of {E // groups}")
+
+
 # ---------------------------------------------------------------------------- the layer
 
 class MoELayer(nn.Module):
     """Router, ``experts`` SwiGLU experts and an optional shared expert; tokens ``(T, h)``.
 
     ``forward`` sorts the kept assignments by expert and runs each expert once on its
-    contiguous batch of tokens; ``forward_naive`` loops over tokens and their k experts.
-    Both return ``(output, route)``; dropped assignments contribute nothing (the token
-    keeps only what the residual connection around the layer carries).
+    contiguous batch of tokens; ``forward_naive`` routes on its own, one token at a time,
+    and loops over tokens and their k experts. Both return ``(output, route)``; dropped
+    assignments contribute nothing (the token keeps only what the residual connection
+    around the layer carries).
     """
 
     def __init__(self, hidden: int, ffn: int, experts: int, k: int, capacity_factor: float = 1.25,
@@ -327,17 +337,54 @@ class MoELayer(nn.Module):
         return out, r
 
     def forward_naive(self, x: torch.Tensor, bias: torch.Tensor | None = None):
-        """The reference: each token, each of its kept experts, one at a time."""
+        """The reference. It shares no routing code with :meth:`forward`: each token's k
+        experts come from sorting its own scores (within its best groups when ``groups`` >
+        1); one queue per expert is then filled in the order :func:`topk_route` promises —
+        every token's first choice in token order, then every second choice, … — an
+        assignment kept while its expert has room. Then each token, each kept expert, one
+        at a time.
+        """
         self._check(x)
-        r = self.route(x, bias)
-        rows = []
-        for t in range(x.shape[0]):
-            y = torch.zeros_like(x[t])
-            for j in range(self.k):
-                if r.kept[t, j]:
-                    y = y + r.weights[t, j] * self.expert(int(r.expert_index[t, j]), x[t:t + 1])[0]
+        logits = self.router(x)                                                   # (T, E)
+        _check_bias(bias, logits, "MoELayer")
+        T, E, k = x.shape[0], self.experts, self.k
+        top_groups = self.groups if self.top_groups is None else self.top_groups
+        _check_groups(E, k, self.groups, top_groups)
+        scores = (logits if bias is None else logits + bias).tolist()             # bias: for the choice only
+        chosen = [self._choose(row, top_groups) for row in scores]                # T lists of k experts, best first
+        cap = capacity(T, E, k, self.capacity_factor)
+        room = [cap] * E
+        kept = [[False] * k for _ in range(T)]
+        for j in range(k):                                                        # choice rank first …
+            for t in range(T):                                                    # … then token order
+                e = chosen[t][j]
+                if room[e] > 0:
+                    room[e] -= 1
+                    kept[t][j] = True
+        rows, weights = [], []
+        for t in range(T):
+            w = torch.softmax(logits[t, chosen[t]], dim=0)                        # (k,): unbiased, chosen only
+            y = torch.zeros_like(x[t])                                            # (h,)
+            for j in range(k):
+                if kept[t][j]:
+                    y = y + w[j] * self.expert(chosen[t][j], x[t:t + 1])[0]
             rows.append(y)
-        out = torch.stack(rows)
+            weights.append(w)
+        out = torch.stack(rows) if rows else torch.zeros_like(x)                  # (T, h)
         if self.shared is not None:
             out = out + self._shared(x)
-        return out, r
+        index = torch.tensor(chosen, dtype=torch.long, device=x.device).reshape(T, k)
+        route = Route(index, torch.stack(weights) if weights else logits.new_zeros(0, k),
+                      torch.tensor(kept, dtype=torch.bool, device=x.device).reshape(T, k),
+                      torch.bincount(index.flatten(), minlength=E), cap, torch.softmax(logits, dim=-1))
+        return out, route
+
+    def _choose(self, row: list[float], top_groups: int) -> list[int]:
+        """One token's k experts, best first, by sorting its scores (ties: the lower index)."""
+        allowed = list(range(len(row)))
+        if self.groups > 1:
+            n = len(row) // self.groups
+            group_score = [sum(sorted(row[g * n:(g + 1) * n], reverse=True)[:2]) for g in range(self.groups)]
+            best = sorted(range(self.groups), key=lambda g: -group_score[g])[:top_groups]
+            allowed = sorted(e for g in best for e in range(g * n, (g + 1) * n))
+        return sorted(allowed, key=lambda e: -row[e])[:self.k]

@@ -4,11 +4,14 @@
     configuration numbers, tensor by tensor.
 (b) topk_route: the capacity formula, counts, drops, GShard's priority order (against a
     plain loop written here), the combine weights, the selection bias, bad arguments.
-(c) The seed example: 64 tokens, k=2, capacity factor 1.25 → capacity 20, 24 dropped.
+(c) The opening example, its generator replayed: 64 tokens, k=2, capacity factor 1.25 →
+    tokens per expert [6, 3, 6, 14, 16, 19, 25, 39], capacity 20, 24 dropped, loss 1.277.
 (d) switch_balance_loss against NumPy, its gradient, its range.
 (e) bias_update and group_limited_topk.
-(f) MoELayer: the grouped forward against the per-token loop (outputs and gradients) and
-    against an independent einsum-free computation; drops; bad inputs.
+(f) MoELayer: the grouped forward against the per-token loop, whose routing is its own
+    (routes, outputs and gradients, with drops, a bias and groups), and against an
+    independent einsum computation; a routing bug planted in the fast path is caught; drops;
+    bad inputs.
 """
 from __future__ import annotations
 
@@ -294,37 +297,29 @@ def test_route_rejects_bad_arguments(logits, k, cf):
         moe.topk_route(logits, k, cf)
 
 
-# ------------------------------------------------------------------ (c) the seed example
+# ------------------------------------------------------------------ (c) the opening example
 
-SEED_COUNTS = [6, 3, 6, 14, 16, 19, 25, 39]
-
-
-def seed_logits() -> torch.Tensor:
-    """64 tokens whose top-2 choices give exactly SEED_COUNTS.
-
-    Lay the 128 assignments out sorted by expert; token t takes slots t and t + 64. No
-    expert has 64 or more slots, so the two are always different experts.
-    """
-    slots = [e for e, c in enumerate(SEED_COUNTS) for _ in range(c)]
-    assert len(slots) == 128
-    g = torch.Generator().manual_seed(5)
-    logits = torch.rand(64, 8, generator=g) * 0.1
-    for t in range(64):
-        first, second = slots[t], slots[t + 64]
-        assert first != second
-        logits[t, first] = 3.0
-        logits[t, second] = 2.0
-    return logits
+OPENING_COUNTS = [6, 3, 6, 14, 16, 19, 25, 39]
 
 
-def test_seed_example():
-    logits = seed_logits()
-    r = moe.topk_route(logits, 2, 1.25)
-    assert r.counts.tolist() == SEED_COUNTS
-    assert r.capacity == 20
+def opening_logits() -> np.ndarray:
+    """The opening example's router logits: its generator, replayed past the tensor-parallel
+    MLP's draws (X, A, B), then (64, 8) normal logits skewed by linspace(0, 1.5, 8)."""
+    rng = np.random.default_rng(0)
+    rng.standard_normal((6, 8)), rng.standard_normal((8, 32)), rng.standard_normal((32, 8))   # X, A, B
+    return rng.standard_normal((64, 8)) + np.linspace(0, 1.5, 8)
+
+
+def test_opening_example():
+    logits = opening_logits()
+    r = moe.topk_route(torch.from_numpy(logits), 2, 1.25)
+    assert torch.equal(r.expert_index, torch.from_numpy(np.argsort(-logits, axis=1)[:, :2]))   # the lesson's top
+    assert r.counts.tolist() == OPENING_COUNTS
+    assert r.capacity == 20 == int(1.25 * 64 * 2 / 8)                    # ceiling and floor agree here
     assert r.dropped == 24                                                # (25 − 20) + (39 − 20)
-    assert r.kept_counts.tolist() == [min(c, 20) for c in SEED_COUNTS]
+    assert r.kept_counts.tolist() == [min(c, 20) for c in OPENING_COUNTS]
     assert torch.equal(r.kept, loop_kept(r.expert_index, 8, 20))
+    assert round(float(moe.switch_balance_loss(torch.from_numpy(logits), r.expert_index)), 3) == 1.277
 
 
 # ------------------------------------------------------------------ (d) switch_balance_loss
@@ -592,6 +587,91 @@ def test_forward_with_bias_equals_naive_and_can_idle_an_expert():
     # Expert 2 gets no gradient: it saw no token.
     gw1 = torch.autograd.grad((layer(x, bias=bias)[0] * g).sum(), layer.w1)[0]
     assert (gw1[2] == 0).all() and (gw1.abs().sum() > 0)
+
+
+def test_naive_routes_on_its_own():
+    """forward_naive's route, computed without topk_route, is the one topk_route promises:
+    each token's k best logits, queues filled choice rank first then token order."""
+    for T, E, k, cf, groups, top_groups in [(40, 8, 2, 0.5, 1, None), (33, 6, 3, 0.75, 1, None),
+                                            (48, 16, 4, 0.6, 4, 2), (30, 8, 2, 1.0, 2, 1)]:
+        torch.manual_seed(T + E)
+        layer = moe.MoELayer(H, FFN, E, k, cf, groups=groups, top_groups=top_groups).double()
+        x = torch.randn(T, H, dtype=torch.float64)
+        logits = layer.router(x).detach()
+        _, r = layer.forward_naive(x)
+        if groups == 1:
+            assert_close(logits.gather(1, r.expert_index), logits.sort(dim=1, descending=True).values[:, :k],
+                         rtol=0, atol=0)
+        else:
+            assert torch.equal(r.expert_index, reference_group_topk(logits, k, groups, top_groups))
+        assert r.capacity == exact_capacity(str(cf), T, k, E)
+        assert r.dropped > 0, "each case should drop"
+        assert torch.equal(r.kept, loop_kept(r.expert_index, E, r.capacity))
+        assert torch.equal(r.counts, torch.bincount(r.expert_index.flatten(), minlength=E))
+        assert_close(r.weights, torch.softmax(logits.gather(1, r.expert_index), dim=-1), **softmax64_tol(logits))
+        assert_close(r.probs, torch.softmax(logits, dim=-1), **softmax64_tol(logits))
+        ref = moe.topk_route(logits, k, cf, groups=groups, top_groups=top_groups)
+        assert torch.equal(r.expert_index, ref.expert_index) and torch.equal(r.kept, ref.kept)
+
+
+@pytest.mark.parametrize("groups, top_groups, with_bias", [(4, 2, False), (4, 1, True), (2, 2, True)])
+def test_group_limited_layer_equals_naive(groups, top_groups, with_bias):
+    torch.manual_seed(groups * 10 + top_groups)
+    layer = moe.MoELayer(H, FFN, 8, 2, 0.75, shared=True, groups=groups, top_groups=top_groups).double()
+    x = torch.randn(24, H, dtype=torch.float64, requires_grad=True)
+    bias = torch.linspace(-0.3, 0.3, 8, dtype=torch.float64) if with_bias else None
+    out, r = layer(x, bias=bias)
+    out_n, r_n = layer.forward_naive(x, bias=bias)
+    assert torch.equal(r.expert_index, r_n.expert_index) and torch.equal(r.kept, r_n.kept)
+    assert r.dropped > 0
+    per = 8 // groups
+    assert all(len({e // per for e in row}) <= top_groups for row in r_n.expert_index.tolist())
+    close64(out, out_n)
+    g = torch.randn_like(out)
+    for a, b in zip(grads(layer, x, out, g), grads(layer, x, out_n, g)):
+        close64(a, b)
+
+
+def test_empty_batch():
+    layer = moe.MoELayer(H, FFN, 4, 2).double()
+    x = torch.zeros(0, H, dtype=torch.float64)
+    for out, r in (layer(x), layer.forward_naive(x)):
+        assert out.shape == (0, H) and r.expert_index.shape == (0, 2) and r.kept.shape == (0, 2)
+        assert r.dropped == 0 and r.capacity == 0
+
+
+TOPK_ROUTE = moe.topk_route
+
+
+def token_major_route(logits, k, capacity_factor, bias=None, groups=1, top_groups=None):
+    """A plausible bug: queues filled token by token (token 0's first and second choice,
+    then token 1's …) instead of all first choices before any second choice."""
+    r = TOPK_ROUTE(logits, k, capacity_factor, bias, groups, top_groups)
+    T, E = logits.shape
+    room = [r.capacity] * E
+    kept = torch.zeros(T, k, dtype=torch.bool)
+    for t in range(T):
+        for j in range(k):
+            e = int(r.expert_index[t, j])
+            if room[e] > 0:
+                room[e] -= 1
+                kept[t, j] = True
+    return dataclasses.replace(r, kept=kept)
+
+
+def test_a_routing_bug_in_the_fast_path_is_caught(monkeypatch):
+    """The reference routes on its own, so a wrong drop order in topk_route shows up."""
+    layer = make_layer(8, 2, 0.5, False, seed=3)
+    x = torch.randn(24, H, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    out, r = layer(x)
+    close64(out, layer.forward_naive(x)[0])
+    monkeypatch.setattr(moe, "topk_route", token_major_route)
+    bad, r_bad = layer(x)
+    good, r_n = layer.forward_naive(x)
+    assert r_bad.dropped == r_n.dropped == r.dropped                     # the same number dropped …
+    assert not torch.equal(r_bad.kept, r_n.kept)                          # … but not the same ones
+    assert torch.equal(r_n.kept, r.kept)
+    assert float((bad - good).detach().abs().max()) > 1e-3
 
 
 @pytest.mark.parametrize("shared", [False, True])
