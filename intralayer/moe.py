@@ -4,8 +4,8 @@
   :func:`count_params` → (total, active), counted tensor by tensor.
 - :func:`topk_route`: top-k selection, tokens per expert, the capacity
   ``ceil(capacity_factor · tokens · k / experts)`` and which assignments overflow it.
-- :func:`switch_balance_loss`: the Switch Transformer's ``n · Σ f_i p_i`` (Fedus et al.
-  2021), 1 for a perfectly even router.
+- :func:`switch_balance_loss`: the Switch Transformer's ``E · Σ f_i π_i`` (Fedus et al.
+  2021, who write N and P_i), 1 for a perfectly even router.
 - :func:`bias_update` and :func:`group_limited_topk`: DeepSeek-V3's auxiliary-loss-free
   balancing and its group (node) limited routing.
 - :class:`MoELayer`: router + SwiGLU experts (+ optional shared expert), forward and
@@ -212,10 +212,10 @@ def check_tokens(x, hidden: int, weight: torch.Tensor, who: str, what: str = "to
 
 
 def switch_balance_loss(logits: torch.Tensor, expert_index: torch.Tensor) -> torch.Tensor:
-    """``n · Σ_i f_i · p_i`` (Fedus et al. 2021): f_i the fraction of assignments routed to
-    expert i, p_i the router's mean probability for it. 1 when both are uniform; it
-    grows as the router concentrates. Differentiable in ``logits`` (through p only: f
-    comes from a discrete choice).
+    """``E · Σ_i f_i · π_i`` (Fedus et al. 2021, who write N and P_i): f_i the fraction of
+    assignments routed to expert i, π_i the router's mean probability for it. 1 when both
+    are uniform; it grows as the router concentrates. Differentiable in ``logits`` (through
+    π only: f comes from a discrete choice).
     """
     logits = torch.as_tensor(logits)
     if logits.dim() != 2:
@@ -223,8 +223,8 @@ def switch_balance_loss(logits: torch.Tensor, expert_index: torch.Tensor) -> tor
     E = logits.shape[-1]
     f = torch.bincount(torch.as_tensor(expert_index).flatten(), minlength=E).to(logits.dtype)
     f = f / f.sum()
-    p = torch.softmax(logits, dim=-1).mean(0)
-    return E * (f * p).sum()
+    pi = torch.softmax(logits, dim=-1).mean(0)                                   # (E,): π_i
+    return E * (f * pi).sum()
 
 
 def bias_update(bias: torch.Tensor, counts: torch.Tensor, gamma: float = 1e-3) -> torch.Tensor:
