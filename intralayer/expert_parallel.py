@@ -208,9 +208,11 @@ def simulate(logits_per_rank: list[torch.Tensor], k: int, capacity_factor: float
 
 
 def alltoall_seconds(bytes_matrix: np.ndarray, intra: float, inter: float, nodes: int) -> float:
-    """Time of an all-to-all when each rank's sends go out in parallel over its links: the
-    slowest rank's intra-node bytes over ``intra`` plus inter-node bytes over ``inter``
-    (bytes/s), whichever pair of sends and receives is largest."""
+    """Time of an all-to-all in which each rank sends to all its peers at once, its
+    intra-node bytes at ``intra`` and its inter-node bytes at ``inter`` (bytes/s), the two
+    one after the other; the busiest rank's sends or receives set the time. Adding the two
+    is pessimistic: with NVLink and InfiniBand busy at the same time (as DeepSeek-V3's
+    kernels keep them) it would be the larger of the two."""
     P = bytes_matrix.shape[0]
     check_nodes(P, nodes)
     node = np.arange(P) // (P // nodes)

@@ -3,7 +3,8 @@
 (a) ExpertParallelMoE on 2 and 4 ranks against the single-device MoELayer: output, input,
     expert, router and shared-expert gradients, the all-to-all records and their bytes
     against simulate, hierarchical_forward against the plain forward and node_traffic,
-    timed_forward and its timeline, bad input (tests/programs/ep_checks.py).
+    timed_forward and its timeline, bad input (tests/programs/ep_checks.py); the chapter
+    program's cases sized for 1 to 16 ranks.
 (b) simulate: the traffic matrix against routing counted by hand, bytes, straggler
     factor, inter-node share; node-limited routing and node_traffic.
 (c) alltoall_seconds against a hand computation.
@@ -48,6 +49,20 @@ def test_expert_parallel_matches_the_dense_layer_on_real_ranks(nproc):
 def test_timed_forward_runs_as_many_micro_batches_as_asked():
     result = launch.run("tests.programs.ep_checks", 2, args=["micro-batches"], env=ENV, timeout=60, show=False)
     assert f"{ep_checks.MICRO_MARKER} 2" in result.output
+
+
+@pytest.mark.parametrize("P", [1, 2, 4, 8, 16])
+def test_the_programs_cases_fit_the_gpu_node_command(P):
+    """`ep_moe` on 8 GPUs (the chapter's command) once indexed past its 4 token counts and
+    ran a 4-expert case on 8 ranks; every case must give one count per rank, experts that
+    split over the ranks, and a rank with no tokens in the first case."""
+    from intralayer.programs import ep_moe
+    for case in ep_moe.CASES:
+        E, k, cf, shared, tokens = ep_moe.sized(case, P)
+        ep.check_placement(E, P)
+        assert len(tokens) == P and E >= case[0] and (k, cf, shared) == case[1:4]
+    if P >= 2:
+        assert 0 in ep_moe.sized(ep_moe.CASES[0], P)[4]
 
 
 # ------------------------------------------------------------------ (b) simulate

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import numpy as np
 import torch
@@ -82,11 +83,19 @@ def correctness(d, E, k, cf, shared, tokens, seed) -> dict:
                 empty_experts=int((got.per_expert.sum(0) == 0).sum()))
 
 
-CASES = [  # E, k, capacity factor, shared expert, tokens per rank (first P entries), what it exercises
-    (8, 2, 8.0, False, [12, 7, 0, 5], "uneven tokens, a rank with none"),
-    (8, 2, 1.0, True, [16, 16, 16, 16], "capacity dropping, shared expert"),
-    (4, 1, 1.25, False, [9, 3, 1, 6], "experts that receive nothing"),
+CASES = [  # E, k, capacity factor, shared expert, tokens per rank, what it exercises
+    # Rank r gets entry r mod 8 (rank 1 has no tokens whenever P ≥ 2), and E becomes the least
+    # common multiple of E and P, so every case runs on any number of ranks (8 on a GPU node).
+    (8, 2, 8.0, False, [12, 0, 7, 5, 3, 9, 0, 1], "uneven tokens, a rank with none"),
+    (8, 2, 1.0, True, [16] * 8, "capacity dropping, shared expert"),
+    (8, 1, 1.25, False, [9, 3, 1, 6, 2, 5, 1, 4], "experts that receive nothing"),
 ]
+
+
+def sized(case, P: int) -> tuple:
+    """A case's (E, k, capacity factor, shared, tokens per rank) for P ranks."""
+    E, k, cf, shared, tokens, _ = case
+    return math.lcm(E, P), k, cf, shared, [tokens[r % len(tokens)] for r in range(P)]
 
 
 def traffic(d, E, k, cf, T, skew, seed, node_limit=None, nodes=1, bias=None) -> dict:
@@ -159,7 +168,7 @@ def main(argv=None) -> None:
     with distributed.setup() as d:
         P, E, T = d.world_size, a.experts, a.tokens
         ep.check_placement(E, P)
-        checks = [correctness(d, e, k, cf, sh, toks[:P], seed=i) for i, (e, k, cf, sh, toks, _) in enumerate(CASES)]
+        checks = [correctness(d, *sized(case, P), seed=i) for i, case in enumerate(CASES)]
         base = traffic(d, E, 2, float(E), T, 2.0, seed=7)
         capped = traffic(d, E, 2, 1.25, T, 2.0, seed=7)
         bias = train_bias(E, 2, T, P, 2.0, seed=7)
