@@ -10,7 +10,8 @@ run equals the dense one only when both draw the same masks: see ``generator`` b
 
 - ``dropout``: the probability, applied to the attention probabilities and after the
   attention and MLP outputs, as in GPT and in Korthikanti et al. 2022. It saves a 1-byte
-  mask, as GPU kernels do (``torch.native_dropout``; CPU ``F.dropout`` keeps a float mask).
+  (bool) mask, as ``torch.native_dropout`` does on CPU and GPU; ``F.dropout`` on a CPU
+  saves its mask in the activations' own dtype instead (torch 2.13: 2 bytes for bf16).
   By default the masks come from torch's global generator. Chapter 02 draws them from
   given generators instead (``Block.generator`` for the two dropouts on the residual
   stream, ``Attention.generators`` for the attention probabilities, one generator per

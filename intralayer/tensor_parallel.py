@@ -168,7 +168,8 @@ def block_costs(s: int, b: int, h: int, heads: int, t: int, itemsize: int = 2, f
 
 #: GPUs that one NVLink domain joins, for the NVLink links of :data:`intralayer.collectives.LINKS`.
 #: An HGX/DGX H100 server joins 8 H100 GPUs through NVSwitch; a GB200 NVL72 rack joins 72.
-#: A tensor-parallel group on such a link must fit in one domain.
+#: A tensor-parallel group on such a link must fit in one domain. (NVIDIA's NVLink Switch
+#: System stretches NVLink 4 across servers, up to 256 GPUs in a DGX GH200; not modelled.)
 NVLINK_DOMAIN = {"NVLink 4 (H100 SXM)": 8, "NVLink 5 (GB200 NVL72)": 72}
 #: H100 SXM dense bf16 peak, FLOP/s (NVIDIA H100 datasheet).
 H100_BF16_PEAK = 989e12
@@ -177,9 +178,9 @@ H100_BF16_PEAK = 989e12
 def check_link_degree(t: int, link: str) -> None:
     """``ValueError`` naming the rule unless ``t`` GPUs fit in one domain of ``link``.
 
-    An NVLink link exists only among the GPUs of one server (8 for H100) or rack (72 for
-    GB200 NVL72): a larger tensor-parallel group would have to leave it. Links between
-    servers (InfiniBand, PCIe) set no such limit here.
+    The NVLink links here are those of one HGX H100 server (8 GPUs) and one GB200 NVL72
+    rack (72): a larger tensor-parallel group would have to leave it. Links between servers
+    (InfiniBand, PCIe) set no such limit here.
     """
     _whole(t, "the tensor-parallel degree t")
     if link not in LINKS:

@@ -462,3 +462,15 @@ def test_layer_times_rejects_an_efficiency_outside_zero_to_one(efficiency):
     with pytest.raises(ValueError, match=re.escape("efficiency (the fraction of peak the matrix products reach) "
                                                    "must lie in (0, 1]")):
         tp.layer_times(2048, 1, 12288, 96, 8, "NVLink 4 (H100 SXM)", efficiency=efficiency)
+
+
+# ------------------------------------------------------------------ (g) the chapter's program, as documented
+
+def test_tp_block_tolerance_is_the_float32_default_until_96_terms_then_grows_like_root_n():
+    from intralayer.programs import tp_block
+
+    assert tp_block.tolerance(8, 2, 16, 64) == dict(rtol=1.3e-6, atol=1e-5)             # the chapter's sizes
+    big = tp_block.tolerance(512, 2, 1024, 32768)                                       # n = v = 32768
+    assert math.isclose(big["rtol"], 1.3e-6 * math.sqrt(32768 / 96))
+    assert math.isclose(big["atol"], 1e-5 * math.sqrt(32768 / 96))
+    assert tp_block.tolerance(512, 2, 1024, 0)["rtol"] == 1.3e-6 * math.sqrt(4096 / 96)   # n = 4h
