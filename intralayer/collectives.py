@@ -57,8 +57,8 @@ def ring_reduce_scatter_np(arrays: list[np.ndarray]) -> RingRun:
     for j in range(1, n):
         outgoing = [(i, (i + 1) % n, (i - j) % n) for i in range(n)]
         payload = [parts[i][c].copy() for i, _, c in outgoing]      # all send at once
-        for (i, j, c), data in zip(outgoing, payload):
-            parts[j][c] += data
+        for (i, nxt, c), data in zip(outgoing, payload):
+            parts[nxt][c] += data
             sent[i] += data.nbytes
         steps.append(outgoing)
         states.append([[c.copy() for c in p] for p in parts])
@@ -142,12 +142,15 @@ def ring_all_reduce(x, group=None):
     flat = x.detach().contiguous().view(-1).clone()
     parts = list(flat.tensor_split(n))                    # views into flat: n chunks
     nxt, prv = (r + 1) % n, (r - 1) % n
-    for s in range(n - 1):                                # reduce-scatter
-        out_c, in_c = (r - s - 1) % n, (r - s - 2) % n
+    # At step j this rank sends chunk (r − j) mod n and receives chunk (r − j − 1) mod n,
+    # the one its left neighbour sends: steps 1 … n−1 add it (reduce-scatter), steps
+    # n … 2(n−1) keep it, finished (all-gather).
+    for j in range(1, n):                                 # reduce-scatter
+        out_c, in_c = (r - j) % n, (r - j - 1) % n
         got = sendrecv(parts[out_c], nxt, prv, parts[in_c].shape, group, label="ring reduce-scatter")
         parts[in_c] += got
-    for s in range(n - 1):                                # all-gather
-        out_c, in_c = (r - s) % n, (r - s - 1) % n
+    for j in range(n, 2 * n - 1):                         # all-gather
+        out_c, in_c = (r - j) % n, (r - j - 1) % n
         got = sendrecv(parts[out_c], nxt, prv, parts[in_c].shape, group, label="ring all-gather")
         parts[in_c].copy_(got)
     return flat.view_as(x)

@@ -48,7 +48,7 @@ def a2a_counts(rank: int, n: int) -> list[int]:
 
 def run_checks(d: distributed.Dist) -> tuple[list[tuple[str, bool, comm.Record | None, float]], bool]:
     n, r, dev = d.world_size, d.rank, d.device
-    xs = [data(k, n, dev) for k in range(n)]        # every rank's input, to build expectations
+    xs = [data(j, n, dev) for j in range(n)]        # every rank's input, to build expectations
     x = xs[r]
     total = sum(xs)
     rows: list[tuple[str, bool, comm.Record | None, float]] = []
@@ -67,22 +67,22 @@ def run_checks(d: distributed.Dist) -> tuple[list[tuple[str, bool, comm.Record |
         got = comm.reduce_scatter(x, dim=0)
     check("reduce_scatter", got, total.chunk(n, 0)[r], acc)
 
-    counts = [a2a_counts(k, n) for k in range(n)]
-    sends = [list(xs[k][: sum(counts[k])].split(counts[k])) for k in range(n)]
+    counts = [a2a_counts(j, n) for j in range(n)]
+    sends = [list(xs[j][: sum(counts[j])].split(counts[j])) for j in range(n)]
     with comm.accounting() as acc:
         got = comm.all_to_all(x[: sum(counts[r])], in_splits=counts[r])
     acc.records[:] = [rec for rec in acc.records if rec.label != "counts"]
-    check("all_to_all", got, torch.cat([sends[k][r] for k in range(n)]), acc)
+    check("all_to_all", got, torch.cat([sends[j][r] for j in range(n)]), acc)
 
     with comm.accounting() as acc:
         got = ring_all_reduce(x)
     check("ring all-reduce (send/recv)", got, total, acc)
 
-    # Backward of an all-gather whose output each rank uses differently: rank k's loss
-    # weighs the gathered tensor by its own w_k, so d(sum_k loss_k)/dx_r is the r-th chunk
-    # of the sum of the w_k — a reduce-scatter.
-    ws = [torch.full((2 * n * n, COLS), float(k + 1), device=dev) + torch.arange(2 * n * n, device=dev)[:, None]
-          for k in range(n)]                                            # (2n·n, 3) each
+    # Backward of an all-gather whose output each rank uses differently: rank j's loss
+    # weighs the gathered tensor by its own w_j, so d(sum_j loss_j)/dx_r is the r-th chunk
+    # of the sum of the w_j — a reduce-scatter.
+    ws = [torch.full((2 * n * n, COLS), float(j + 1), device=dev) + torch.arange(2 * n * n, device=dev)[:, None]
+          for j in range(n)]                                            # (2n·n, 3) each
     leaf = x.clone().requires_grad_()
     (comm.all_gather(leaf, dim=0) * ws[r]).sum().backward()
     rows.append(("backward of all_gather", bool(torch.equal(leaf.grad, sum(ws).chunk(n, 0)[r])), None, 0.0))
@@ -91,7 +91,7 @@ def run_checks(d: distributed.Dist) -> tuple[list[tuple[str, bool, comm.Record |
     leaf = x.clone().requires_grad_()
     (comm.gather_from_group(leaf, dim=0) * ws[0]).sum().backward()
     rows.append(("backward of gather, same use", bool(torch.equal(leaf.grad, ws[0].chunk(n, 0)[r])), None, 0.0))
-    vs = [torch.full((ROWS_PER_RANK, COLS), float(k + 1), device=dev) for k in range(n)]  # (2, 3) each
+    vs = [torch.full((ROWS_PER_RANK, COLS), float(j + 1), device=dev) for j in range(n)]  # (2, 3) each
     leaf = x.clone().requires_grad_()
     (comm.reduce_scatter(leaf, dim=0) * vs[r]).sum().backward()
     rows.append(("backward of reduce_scatter", bool(torch.equal(leaf.grad, torch.cat(vs, 0))), None, 0.0))

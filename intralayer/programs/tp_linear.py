@@ -54,15 +54,15 @@ def collectives(acc: comm.Accounting, phase: str) -> str:
                      for op in ops)
 
 
-def linear_cases(d: distributed.Dist, tokens: int, d_in: int, d_out: int) -> list[dict]:
+def linear_cases(d: distributed.Dist, tokens: int, h_in: int, h_out: int) -> list[dict]:
     """The four ways to use a split linear layer, each checked against the dense layer."""
     t, r, dev = d.world_size, d.rank, d.device
     torch.manual_seed(0)
-    dense = nn.Linear(d_in, d_out).to(dev)
-    x = torch.randn(tokens, d_in, device=dev)                        # (m, k), the same on every rank
-    dy = torch.randn(tokens, d_out, device=dev)                      # upstream gradient (m, n)
+    dense = nn.Linear(h_in, h_out).to(dev)
+    x = torch.randn(tokens, h_in, device=dev)                        # (m, h_in), the same on every rank
+    dy = torch.randn(tokens, h_out, device=dev)                      # upstream gradient (m, h_out)
     xd = x.clone().requires_grad_()
-    y = dense(xd)                                                    # (m, n)
+    y = dense(xd)                                                    # (m, h_out)
     y.backward(dy)
     cases = [
         ("column, output split", dict(cls=ColumnParallelLinear, gather_output=False), x, y.chunk(t, -1)[r],
@@ -91,7 +91,7 @@ def linear_cases(d: distributed.Dist, tokens: int, d_in: int, d_out: int) -> lis
     return rows
 
 
-def dtensor_cases(d: distributed.Dist, tokens: int, d_in: int, d_out: int) -> list[dict]:
+def dtensor_cases(d: distributed.Dist, tokens: int, h_in: int, h_out: int) -> list[dict]:
     """PyTorch's own tensor parallelism (DTensor) on the same weights: does it agree with ours?"""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
@@ -101,10 +101,10 @@ def dtensor_cases(d: distributed.Dist, tokens: int, d_in: int, d_out: int) -> li
     mesh = init_device_mesh(dev.type, (t,))
     torch.manual_seed(1)
     mlp = nn.Sequential()
-    mlp.fc1, mlp.act, mlp.fc2 = nn.Linear(d_in, d_out), nn.GELU(), nn.Linear(d_out, d_in)
+    mlp.fc1, mlp.act, mlp.fc2 = nn.Linear(h_in, h_out), nn.GELU(), nn.Linear(h_out, h_in)
     mlp = mlp.to(dev)
-    x = torch.randn(tokens, d_in, device=dev)
-    dy = torch.randn(tokens, d_in, device=dev)
+    x = torch.randn(tokens, h_in, device=dev)
+    dy = torch.randn(tokens, h_in, device=dev)
     specs = {"fc1 alone (Colwise)": ({"fc1": ColwiseParallel()}, "fc1"),
              "fc2 alone (Rowwise)": ({"fc2": RowwiseParallel()}, "fc2"),
              "MLP (Colwise, Rowwise)": ({"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}, "mlp")}
@@ -113,10 +113,10 @@ def dtensor_cases(d: distributed.Dist, tokens: int, d_in: int, d_out: int) -> li
         theirs = parallelize_module(copy.deepcopy(mlp), mesh, plan)
         if which == "fc1":
             ours, a, b = ColumnParallelLinear.from_dense(mlp.fc1, d.group), theirs.fc1, x
-            upstream = dy.new_ones(tokens, d_out // t) * (r + 1)     # any gradient for our slice
+            upstream = dy.new_ones(tokens, h_out // t) * (r + 1)     # any gradient for our slice
         elif which == "fc2":
             ours, a, b = RowParallelLinear.from_dense(mlp.fc2, d.group), theirs.fc2, torch.randn(
-                tokens, d_out // t, device=dev, generator=torch.Generator(dev).manual_seed(2 + r))
+                tokens, h_out // t, device=dev, generator=torch.Generator(dev).manual_seed(2 + r))
             upstream = dy
         else:
             ours, a, b = ParallelMLP.from_dense(mlp.fc1, mlp.fc2, d.group), theirs, x
@@ -149,14 +149,14 @@ def dtensor_cases(d: distributed.Dist, tokens: int, d_in: int, d_out: int) -> li
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=6, help="rows of X (tokens)")
-    p.add_argument("--d-in", type=int, default=8, help="input features (divisible by the number of ranks)")
-    p.add_argument("--d-out", type=int, default=12, help="output features (divisible by the number of ranks)")
+    p.add_argument("--d-in", dest="h_in", type=int, default=8, help="input features (divisible by the number of ranks)")
+    p.add_argument("--d-out", dest="h_out", type=int, default=12, help="output features (divisible by the number of ranks)")
     p.add_argument("--out", help="write rank 0's measured bytes per case to this JSON file")
     args = p.parse_args(argv)
     with distributed.setup() as d:
-        check_degrees(d.world_size, ffn=args.d_out, h=args.d_in)
-        lin = linear_cases(d, args.tokens, args.d_in, args.d_out)
-        dt = dtensor_cases(d, args.tokens, args.d_in, args.d_out)
+        check_degrees(d.world_size, ffn=args.h_out, h=args.h_in)
+        lin = linear_cases(d, args.tokens, args.h_in, args.h_out)
+        dt = dtensor_cases(d, args.tokens, args.h_in, args.h_out)
         every = [None] * d.world_size
         dist.all_gather_object(every, (lin, dt))
         if d.is_main:
@@ -168,8 +168,8 @@ def main(argv=None) -> None:
 
 def report(d: distributed.Dist, args, every) -> None:
     t = d.world_size
-    print(f"{t} ranks ({d.backend}, {d.device.type}); dense layer nn.Linear({args.d_in}, {args.d_out}), "
-          f"X of shape ({args.tokens}, {args.d_in}), float32")
+    print(f"{t} ranks ({d.backend}, {d.device.type}); dense layer nn.Linear({args.h_in}, {args.h_out}), "
+          f"X of shape ({args.tokens}, {args.h_in}), float32")
     print(f"\n{'layer':22} {'out shape':>10} {'weights':>7}  {'output':>6} {'dW':>6} {'db':>6} {'dX':>6}   "
           f"forward / backward collectives (rank 0)")
     for i, row in enumerate(every[0][0]):
