@@ -107,9 +107,9 @@ def _same_device(x: torch.Tensor, param: torch.Tensor, who: str) -> None:
 
 # ---------------------------------------------------------------------------- cost arithmetic
 
-def linear_costs(m: int, k: int, n: int, t: int, split: str, itemsize: int = 2,
+def linear_costs(m: int, h_in: int, h_out: int, t: int, split: str, itemsize: int = 2,
                  gather_output: bool = False, input_is_parallel: bool = True) -> dict[str, float]:
-    """Bytes one device holds and communicates for ``Y = X A``, X (m, k), A (k, n), split t ways.
+    """Bytes one device holds and communicates for ``Y = X A``, X (m, h_in), A (h_in, h_out), split t ways.
 
     ``split`` is ``"column"`` (A by columns; Megatron's f before, optional gather after)
     or ``"row"`` (A by rows; g after, optional split before). Returns the bytes of the
@@ -117,25 +117,26 @@ def linear_costs(m: int, k: int, n: int, t: int, split: str, itemsize: int = 2,
     size S and the bytes this device sends on a ring (``2(t−1)/t·S`` for an all-reduce,
     ``(t−1)/t·S`` for an all-gather).
     """
-    for value, what in ((m, "rows m"), (k, "inner dimension k"), (n, "columns n"), (itemsize, "itemsize")):
+    for value, what in ((m, "rows m"), (h_in, "input features h_in"), (h_out, "output features h_out"),
+                        (itemsize, "itemsize")):
         _whole(value, what)
     if split not in ("column", "row"):
         raise ValueError(f"split must be 'column' or 'row', got {split!r}")
     _whole(t, "the tensor-parallel degree t")
-    value, what = (n, "n (columns of A)") if split == "column" else (k, "k (rows of A)")
+    value, what = (h_out, "h_out (columns of A)") if split == "column" else (h_in, "h_in (rows of A)")
     if value % t:
         raise ValueError(f"{what} = {value} is not divisible by the tensor-parallel degree t={t}")
     ar, ag = comm.bus_factor("all_reduce", t), comm.bus_factor("all_gather", t)
-    weights = k * n // t * itemsize
+    weights = h_in * h_out // t * itemsize
     if split == "column":
-        fwd_S = m * n * itemsize if gather_output else 0                 # all-gather of Y
-        bwd_S = m * k * itemsize                                          # all-reduce of dX (f)
-        return dict(weights=weights, input=m * k * itemsize,
-                    output=m * n * itemsize if gather_output else m * n // t * itemsize,
+        fwd_S = m * h_out * itemsize if gather_output else 0                 # all-gather of Y
+        bwd_S = m * h_in * itemsize                                          # all-reduce of dX (f)
+        return dict(weights=weights, input=m * h_in * itemsize,
+                    output=m * h_out * itemsize if gather_output else m * h_out // t * itemsize,
                     forward_S=fwd_S, forward_sent=ag * fwd_S, backward_S=bwd_S, backward_sent=ar * bwd_S)
-    fwd_S = m * n * itemsize                                              # all-reduce of Y (g)
-    bwd_S = 0 if input_is_parallel else m * k * itemsize                  # all-gather of dX
-    return dict(weights=weights, input=m * k // t * itemsize, output=m * n * itemsize,
+    fwd_S = m * h_out * itemsize                                              # all-reduce of Y (g)
+    bwd_S = 0 if input_is_parallel else m * h_in * itemsize                  # all-gather of dX
+    return dict(weights=weights, input=m * h_in // t * itemsize, output=m * h_out * itemsize,
                 forward_S=fwd_S, forward_sent=ar * fwd_S, backward_S=bwd_S, backward_sent=ag * bwd_S)
 
 

@@ -64,7 +64,7 @@ RULES = [
     ("ffn by t", lambda: tp.check_degrees(2, ffn=7), ["MLP width 7", "t=2"]),
     ("vocab by t", lambda: tp.check_degrees(8, vocab=50257), ["vocabulary size 50257", "t=8"]),
     ("t whole", lambda: tp.check_degrees(0, h=16), ["tensor-parallel degree t", "whole number", "got 0"]),
-    ("linear costs", lambda: tp.linear_costs(8, 16, 30, 4, "column"), ["n (columns of A) = 30", "t=4"]),
+    ("linear costs", lambda: tp.linear_costs(8, 16, 30, 4, "column"), ["h_out (columns of A) = 30", "t=4"]),
     # sequence parallelism: the sequence by t
     ("sp sequence by t", lambda: sp.check_sequence(10, 4), ["sequence length s=10", "tensor-parallel degree t=4",
                                                              "s/t"]),
