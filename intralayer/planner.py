@@ -1,58 +1,77 @@
 """A planner: memory, communication and time per GPU for a model, a cluster and a layout (chapter 08).
 
-Every formula is one the earlier chapters built or measured, extended where a real model
-needs it:
+Every formula is one the earlier chapters built or measured, extended where a real
+training system needs it, and held against published training runs (:data:`RECORD`).
 
-- parameters: dense layers counted tensor by tensor (chapter 01–02), MoE models through
-  :func:`intralayer.moe.count_params` (chapter 05);
-- weights, gradients and optimizer state in mixed precision: 2 + 2 + 12 bytes per
-  parameter (bf16 weights and gradients; fp32 master weights, Adam's two moments), with
-  ZeRO stages 1–3 sharding the optimizer state, then the gradients, then the weights over
-  the data-parallel group (Rajbhandari et al. 2020). Megatron-LM's estimate
-  (``theoretical_memory_usage.py``) counts 18 bytes, with fp32 gradients; so did Llama 3 and
-  DeepSeek-V3: the 2-byte gradients here are half of theirs;
-- pipeline stages hold ``ceil(L/pp)`` layers at most (the planner sizes the fullest);
-- activations: Korthikanti et al.'s per-layer terms (:mod:`intralayer.memory`, chapter 03)
-  on the sequence each GPU holds (``s/cp``) with a fused attention kernel, adjusted for
-  grouped-query attention (K and V are ``kv_heads/heads`` of Q) and for the MLP width
-  (SwiGLU keeps three ``ffn``-wide tensors where GeLU keeps two ``4h``-wide ones; an MoE
-  layer keeps them for ``k`` experts per token, plus the shared ones). Under pipeline
-  parallelism with 1F1B the first stage holds ``L`` layers' worth (Korthikanti et al.);
-- expert parallelism is carved out of data × context parallelism (``ep`` divides ``dp·cp``),
-  with each expert whole on its GPU: the classic layout. Megatron-Core's MoE parallel
-  folding, where the MoE layers get a grid of their own (expert tensor × expert × expert
-  data parallelism) and expert parallelism can span the tensor-parallel ranks too, is
-  not modelled;
-- communication per GPU and step: tensor parallelism 4 all-reduces of ``s·b·h`` per layer
-  and micro-batch (chapter 02), context parallelism the ring's k/v blocks (chapter 04),
-  expert parallelism two all-to-alls each way per MoE layer (chapter 06), pipeline
-  parallelism one activation each way per micro-batch and stage boundary, data
-  parallelism one all-reduce of the gradients per step (ring: 2(n−1)/n of them);
-- time: 6 FLOPs per active parameter and token plus attention's ``12·L·h·s`` per token
-  (Narayanan et al. 2021, without recomputation), at an assumed sustained fraction of peak;
-  TP, CP and EP traffic exposed, data-parallel traffic hidden behind the backward pass where
-  it fits, and the plain 1F1B pipeline bubble, ``(pp−1)/m`` of the compute for ``m``
-  micro-batches (``(pp−1)/(m+pp−1)`` of the pipeline's time; no interleaved schedule);
-- MFU: ``6·N_active`` FLOPs per token over the step time and the peak, without attention's
-  ``12·L·h·s`` (which PaLM's definition, used by Llama 3, counts).
+- **FLOPs** as Narayanan et al. 2021 count them (eq. 3 and its appendix): per token, 6 per
+  multiply-add parameter of the layers' and the output head's matrix products, plus
+  attention's scores and weighted sum, ``6·s·a·(d_qk + d_v)`` per layer (``12·s·h`` for
+  multi-head attention), all keys counted (no causal saving): model FLOPs. Grouped-query
+  attention, SwiGLU, MLA and MoE enter through the parameters a token multiplies (an MoE
+  layer: its ``k`` routed experts, shared experts and router). Hardware FLOPs add what
+  recomputation repeats: the layers' forward pass (full, Narayanan et al.'s 96·…), or
+  attention's two products forward, ``4·s·h`` per token and layer (selective, as Korthikanti
+  et al. 2022 describe it; their eq. 8 counts more), or MLA's up-projections.
+  :attr:`Plan.mfu` and :attr:`Plan.hfu` divide the two by the step time and the GPUs'
+  dense bf16 peak.
+- **Kernel efficiency** (:class:`KernelCurve`): the fraction of peak a layer's kernels
+  reach, ``η(n) = η_max · n / (n + n_half)``, rising with the size of the per-GPU matrix
+  products, ``n = sqrt(h · w/t)`` for an MLP of width ``w`` split ``t`` ways (chapter 02
+  measured the same rise on a CPU); one curve per GPU generation, fitted on published runs
+  (:func:`calibrate`), tested on others. Read as time: the products at ``η_max`` plus
+  ``n_half/n`` of that for the layer's other kernels, which FP8 does not speed up.
+- **Memory** as Megatron-LM's ``theoretical_memory_usage.py`` counts model states: 18 bytes
+  per parameter (bf16 weights, fp32 gradients, fp32 master weights and two Adam moments),
+  ``6 + 12/d`` with the distributed optimizer (ZeRO-1) over ``d`` replicas; bf16 gradients
+  and ZeRO-2/3 as options; the most loaded pipeline stage holds its layers and one
+  embedding table (both at ``pp = 1``). Activations: Korthikanti et al.'s per-layer terms
+  (:mod:`intralayer.memory`, chapter 03) on the ``s/cp`` tokens a GPU holds, adjusted for
+  grouped-query attention, the MLP's real width, models without dropout, and MoE layers (the
+  ``k`` routed copies of each token, their expert activations and outputs); the first stage
+  holds ``L`` layers' worth under 1F1B, and interleaved the chunks of Megatron-LM's warm-up,
+  ``2(pp−1) + (vpp−1)·G + 1`` for ``G`` micro-batches per virtual stage (``1 + (pp−1)/(pp·vpp)``
+  times ``L`` layers' worth at the default ``G = pp``); at ``pp = 1`` the output head's
+  logits too.
+- **Time** per step: ``m`` micro-batches through the slowest pipeline stage (its layers, the
+  output head on the last stage), each at ``η`` of peak (FP8 matrix products at the FP8 peak
+  when ``fp8``), plus the communication that is not hidden:
 
-What it leaves out is listed in chapter 08: kernel efficiencies, overlap of TP/EP
-traffic, interleaved and other pipeline schedules, the forward all-reduces that full
-recomputation repeats, memory fragmentation and framework buffers, the embedding's extra
-activations, MLA's exact activation shapes, and load imbalance between experts.
+  * tensor parallelism: 4 collectives of ``s·b·h`` per layer and micro-batch (6 with full
+    recomputation), ring bytes ``2(t−1)/t`` (chapter 02); exposed, or the backward ones
+    hidden behind the weight-gradient products (``tp_overlap="backward"``, as Korthikanti
+    et al. describe Megatron-LM), or all of them behind their products (``"all"``, chapter 07);
+  * context parallelism: the ring's ``K``, ``V`` blocks (:func:`context_parallel.cp_costs`),
+    hidden where a step's attention covers its transfer (chapter 04), or an exposed
+    all-gather of ``K`` and ``V`` (``cp_method="allgather"``, Llama 3);
+  * expert parallelism: dispatch and combine, forward and backward, per MoE layer; one copy
+    per assignment, or one per destination node (``dedup``, chapter 06, with
+    :func:`expected_nodes`), optionally overlapped with another micro-batch's compute while
+    ``comm_sms`` of the GPU's SMs serve the communication (chapter 07);
+  * pipeline: one activation each way per micro-batch and stage boundary (``vpp`` times as
+    many interleaved), and the bubble, ``(pp−1)/vpp`` micro-batches' time (interleaved
+    1F1B, Narayanan et al. 2021) or DualPipe's ``(pp/2−1)(F&B + B − 3W)`` (DeepSeek-V3);
+  * data parallelism: gradient reduce-scatter and parameter all-gather (ZeRO ≥ 1) or an
+    all-reduce, overlapped only with the last micro-batch's backward and the first one's
+    forward (``dp_overlap``, Megatron's bucketed overlap) or exposed.
+
+What it leaves out is listed in chapter 08 beside the published runs.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from . import moe
-from .rules import whole as _whole
+from .collectives import LINKS
 from .comm import bus_factor
+from .context_parallel import cp_costs
 from .memory import RECOMPUTE, activation_terms
+from .rules import whole as _whole
+from .tensor_parallel import H100_BF16_PEAK
 
 
-# ---------------------------------------------------------------------------- presets
+# ---------------------------------------------------------------------------- models
 
 @dataclass(frozen=True)
 class Model:
@@ -72,12 +91,90 @@ class Model:
     shared_experts: int = 0
     dense_layers: int = 0
     moe_config: moe.MoEConfig | None = None
+    dropout: bool = True          # GPT-style dropout (masks kept for backward); Llama, Mixtral, DeepSeek: none
     source: str = ""
+
+    @classmethod
+    def from_moe(cls, c: moe.MoEConfig) -> "Model":
+        """The planner's view of one of :mod:`intralayer.moe`'s presets: every number from ``c``."""
+        return cls(c.name, layers=c.layers, hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads or c.heads,
+                   ffn=c.ffn or c.moe_ffn, vocab=c.vocab, mlp_matrices=3, experts=c.experts, top_k=c.top_k,
+                   moe_ffn=c.moe_ffn, shared_experts=c.shared_experts, dense_layers=c.dense_layers,
+                   moe_config=c, dropout=False, source=c.source)
 
     @property
     def is_moe(self) -> bool:
         return self.experts > 0
 
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.is_moe else 0
+
+    @property
+    def head_dims(self) -> tuple[int, int]:
+        """Per head: the width of a query·key product and of a value (MLA: 192 and 128)."""
+        c = self.moe_config
+        if c is not None and c.attention == "mla":
+            return c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
+        d = (c.head_dim if c is not None and c.head_dim else self.hidden // self.heads)
+        return d, d
+
+
+def _attention_params(m: Model) -> int:
+    """One layer's attention projections (q, k, v, o; MLA's low-rank ones from :mod:`moe`)."""
+    if m.moe_config is not None:
+        return moe.param_breakdown(m.moe_config)["attention"][0] // m.layers
+    d = m.hidden // m.heads
+    return m.hidden * m.heads * d * 2 + 2 * m.hidden * m.kv_heads * d            # q, o; k, v
+
+
+def _up_projection_params(m: Model) -> int:
+    """MLA's two up-projections (latent → per-head queries; latent → per-head keys and values)."""
+    c = m.moe_config
+    return c.q_lora_rank * c.heads * (c.qk_nope_head_dim + c.qk_rope_head_dim) + \
+        c.kv_lora_rank * c.heads * (c.qk_nope_head_dim + c.v_head_dim)
+
+
+def layer_params(m: Model) -> dict:
+    """Parameters of one layer, by part: what a token multiplies in it, and what a GPU stores."""
+    h = m.hidden
+    out = dict(attention=_attention_params(m), mlp=m.mlp_matrices * h * m.ffn, norms=2 * h)
+    if m.is_moe:
+        expert = 3 * h * m.moe_ffn
+        out.update(expert=expert, experts=m.experts * expert, shared=m.shared_experts * expert,
+                   router=h * m.experts)
+    return out
+
+
+def params(m: Model) -> dict:
+    """Total and active parameters, and the parts a layout splits differently."""
+    if m.moe_config is not None:
+        total, active = moe.count_params(m.moe_config)
+        parts = moe.param_breakdown(m.moe_config)
+        experts = parts["routed experts"][0]
+        embedding = parts["embedding"][0] + parts["output head"][0]
+    else:
+        lp = layer_params(m)
+        embedding = 2 * m.vocab * m.hidden
+        total = active = m.layers * (lp["attention"] + lp["mlp"] + lp["norms"]) + embedding + m.hidden
+        experts = 0
+    return dict(total=total, active=active, experts=experts, dense=total - experts - embedding,
+                embedding=embedding)
+
+
+MODELS = {
+    "GPT-3 175B": Model("GPT-3 175B", layers=96, hidden=12288, heads=96, kv_heads=96, ffn=4 * 12288, vocab=51200,
+                        source="Brown et al. 2020; Korthikanti et al. 2022, Table 3"),
+    "Llama 3 70B": Model("Llama 3 70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256,
+                         mlp_matrices=3, dropout=False, source="Llama Team 2024, Table 3"),
+    "Llama 3 405B": Model("Llama 3 405B", layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256,
+                          mlp_matrices=3, dropout=False, source="Llama Team 2024, Table 3"),
+    "Mixtral 8x7B": Model.from_moe(moe.MIXTRAL_8X7B),
+    "DeepSeek-V3": Model.from_moe(moe.DEEPSEEK_V3),
+}
+
+
+# ---------------------------------------------------------------------------- clusters
 
 @dataclass(frozen=True)
 class Cluster:
@@ -91,59 +188,322 @@ class Cluster:
     inter: float                  # bytes/s per GPU, one way, between domains
     peak: float                   # dense bf16 FLOP/s per GPU
     source: str = ""
+    generation: str = "Hopper"    # picks the calibrated kernel curve
+    fp8_peak: float = 0.0         # dense FP8 FLOP/s per GPU (0: no FP8 tensor cores)
+    sms: int = 132                # streaming multiprocessors per GPU
 
 
-MODELS = {
-    "GPT-3 175B": Model("GPT-3 175B", layers=96, hidden=12288, heads=96, kv_heads=96, ffn=4 * 12288, vocab=51200,
-                        source="Brown et al. 2020; Korthikanti et al. 2022, Table 3"),
-    "Llama 3 70B": Model("Llama 3 70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256,
-                         mlp_matrices=3, source="Llama Team 2024, Table 3"),
-    "Llama 3 405B": Model("Llama 3 405B", layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256,
-                          mlp_matrices=3, source="Llama Team 2024, Table 3"),
-    "Mixtral 8x7B": Model("Mixtral 8x7B", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000,
-                          mlp_matrices=3, experts=8, top_k=2, moe_ffn=14336, moe_config=moe.MIXTRAL_8X7B,
-                          source=moe.MIXTRAL_8X7B.source),
-    "DeepSeek-V3": Model("DeepSeek-V3", layers=61, hidden=7168, heads=128, kv_heads=128, ffn=18432, vocab=129280,
-                         mlp_matrices=3, experts=256, top_k=8, moe_ffn=2048, shared_experts=1, dense_layers=3,
-                         moe_config=moe.DEEPSEEK_V3, source=moe.DEEPSEEK_V3.source),
-}
-
+_NVLINK4, _NDR, _NVLINK5 = (LINKS[k].bandwidth for k in ("NVLink 4 (H100 SXM)", "InfiniBand NDR (1 NIC)",
+                                                          "NVLink 5 (GB200 NVL72)"))
+_H100 = "1024× H100 (128 nodes of 8, InfiniBand)"
+_A100 = "A100 cluster (nodes of 8, InfiniBand HDR)"
+_H800 = "2048× H800 (DeepSeek-V3's cluster)"
 CLUSTERS = {
-    "1024× H100 (128 nodes of 8, InfiniBand)": Cluster(
-        "1024× H100 (128 nodes of 8, InfiniBand)", gpus=1024, gpus_per_node=8, memory=80e9, intra=450e9,
-        inter=50e9, peak=989e12, source="NVIDIA H100 datasheet; ConnectX-7 NDR 400 Gb/s, one NIC per GPU"),
-    "A100 cluster (nodes of 8, InfiniBand HDR)": Cluster(
-        "A100 cluster (nodes of 8, InfiniBand HDR)", gpus=4096, gpus_per_node=8, memory=80e9, intra=300e9,
-        inter=25e9, peak=312e12, source="NVIDIA A100 datasheet: 80 GB, 312 TFLOP/s dense bf16, 600 GB/s NVLink "
-                                        "both ways; HDR InfiniBand 200 Gb/s, one NIC per GPU"),
+    _H100: Cluster(_H100, gpus=1024, gpus_per_node=8, memory=80e9, intra=_NVLINK4, inter=_NDR, peak=H100_BF16_PEAK,
+                   source="NVIDIA H100 datasheet (80 GB, 989 TFLOP/s dense bf16, 1979 FP8, 900 GB/s NVLink both "
+                          "ways); ConnectX-7 NDR 400 Gb/s, one NIC per GPU",
+                   generation="Hopper", fp8_peak=2 * H100_BF16_PEAK, sms=132),
+    _A100: Cluster(_A100, gpus=4096, gpus_per_node=8, memory=80e9, intra=300e9, inter=25e9, peak=312e12,
+                   source="NVIDIA A100 datasheet: 80 GB, 312 TFLOP/s dense bf16, 600 GB/s NVLink both ways; 108 "
+                          "SMs (CUDA deviceQuery, A100-SXM4-80GB); HDR InfiniBand 200 Gb/s, one NIC per GPU (Selene: 8 per "
+                          "node)",
+                   generation="Ampere", sms=108),
+    _H800: Cluster(_H800, gpus=2048, gpus_per_node=8, memory=80e9, intra=160e9, inter=50e9, peak=H100_BF16_PEAK,
+                   source="DeepSeek-V3 report §3.1–3.2: 2048 H800, 8 per node, NVLink 160 GB/s, InfiniBand 50 GB/s, "
+                          "132 SMs; memory and peaks taken from the H100 datasheet (the report gives neither)",
+                   generation="Hopper", fp8_peak=2 * H100_BF16_PEAK, sms=132),
     "GB200 NVL72 (one rack)": Cluster(
-        "GB200 NVL72 (one rack)", gpus=72, gpus_per_node=72, memory=186e9, intra=900e9, inter=50e9,
+        "GB200 NVL72 (one rack)", gpus=72, gpus_per_node=72, memory=186e9, intra=_NVLINK5, inter=_NDR,
         peak=2.5e15, source="NVIDIA GB200 NVL72 (vendor figures): about 13.4 TB of HBM3e over 72 GPUs, "
-                            "1.8 TB/s NVLink per GPU, 2.5 PFLOP/s dense bf16 per GPU"),
+                            "1.8 TB/s NVLink per GPU, 2.5 PFLOP/s dense bf16 per GPU",
+        generation="Blackwell"),
 }
 
 
-# ---------------------------------------------------------------------------- parameters
+# ---------------------------------------------------------------------------- kernel efficiency
 
-def _attention_params(m: Model) -> int:
-    d = m.hidden // m.heads
-    return m.hidden * m.heads * d * 2 + 2 * m.hidden * m.kv_heads * d            # q, o; k, v
+@dataclass(frozen=True)
+class KernelCurve:
+    """``η(n) = eta_max · n / (n + n_half)``: the fraction of peak a layer's kernels reach."""
+
+    eta_max: float
+    n_half: float
+    fitted_on: tuple[str, ...] = ()
+
+    def __call__(self, n: float) -> float:
+        return self.eta_max * n / (n + self.n_half)
 
 
-def params(m: Model) -> dict:
-    """Total and active parameters, and what one layer's dense part and experts hold."""
-    if m.moe_config is not None:
-        total, active = moe.count_params(m.moe_config)
-        parts = moe.param_breakdown(m.moe_config)
-        experts = parts["routed experts"][0]
-        embedding = parts["embedding"][0] + parts["output head"][0]
+#: One curve per GPU generation, fitted by :func:`calibrate` on the runs of :data:`RECORD`
+#: marked ``fit`` (tests/test_planner.py refits them and compares).
+KERNEL_CURVES = {
+    "Ampere": KernelCurve(0.8761, 4227.8, ("Korthikanti 1T", "Korthikanti 22B")),
+    "Hopper": KernelCurve(0.5631, 1707.7, ("Llama 3 405B, 8,192 GPUs, 8K", "Megatron-Core 7.1B")),
+}
+
+
+def gemm_size(m: Model, tp: int = 1, etp: int = 1, moe_layer: bool = False) -> float:
+    """``n = sqrt(h · w / t)``: the geometric mean of one GPU's slice of the MLP's first matrix
+    (``h × w/t``), the layer's largest product; an MoE layer's is one expert's (split ``etp`` ways)."""
+    if moe_layer:
+        return math.sqrt(m.hidden * m.moe_ffn / etp)
+    return math.sqrt(m.hidden * m.ffn / tp)
+
+
+def kernel_efficiency(cluster: Cluster, n: float, efficiency: "float | KernelCurve | None" = None) -> float:
+    """The cluster's calibrated curve at size ``n``; a :class:`KernelCurve` replaces the curve, a
+    number in (0, 1] replaces the efficiency."""
+    if isinstance(efficiency, KernelCurve):
+        return efficiency(n)
+    if efficiency is not None:
+        if isinstance(efficiency, bool) or not isinstance(efficiency, (int, float)) or not 0 < efficiency <= 1:
+            raise ValueError(f"efficiency must lie in (0, 1], got {efficiency!r}")
+        return float(efficiency)
+    if cluster.generation not in KERNEL_CURVES:
+        raise ValueError(f"no calibrated kernel model for {cluster.generation} GPUs ({cluster.name}): no published "
+                         f"run in the planner's record used them; pass efficiency= (a fraction of peak)")
+    return KERNEL_CURVES[cluster.generation](n)
+
+
+# ---------------------------------------------------------------------------- FLOPs
+
+def flops_per_token(m: Model, seq_len: int, recompute: str = "none", modules=()) -> dict:
+    """FLOPs one token costs in one training step (forward and backward), by part.
+
+    ``model``: Narayanan et al.'s count — ``72·l·h²·(1 + s/(6h) + V/(12·l·h))`` per token for
+    a GPT layer with an MLP of 4h, generalised (6 per active multiply-add parameter; attention's
+    two products ``6·s·a·(d_qk + d_v)`` per layer, every key counted). ``hardware``: plus what
+    recomputation repeats: the layers' forward pass (full, Narayanan's 96·…) or attention's
+    scores and weighted sum (selective, Korthikanti et al.'s eq. 8).
+    """
+    _whole(seq_len, "seq_len")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    lp = layer_params(m)
+    dqk, dv = m.head_dims
+    core = 2 * seq_len * m.heads * (dqk + dv)                                    # forward, one layer, one token
+    dense = 2 * (lp["attention"] + lp["mlp"])
+    moe_ = 2 * (lp["attention"] + m.top_k * lp["expert"] + lp["shared"] + lp["router"]) if m.is_moe else 0
+    layers_fwd = (m.layers - m.moe_layers) * dense + m.moe_layers * moe_
+    head = 2 * m.hidden * m.vocab
+    model = 3 * (layers_fwd + m.layers * core + head)
+    extra = {"none": 0, "selective": m.layers * core, "full": layers_fwd + m.layers * core}[recompute]
+    if recompute != "full" and "mla_up_proj" in _check_modules(m, modules):
+        extra += m.layers * 2 * _up_projection_params(m)
+    return dict(model=model, hardware=model + extra, attention=3 * m.layers * core, head=3 * head)
+
+
+def narayanan_flops(B: int, s: int, l: int, h: int, V: int, recompute: bool = False) -> float:
+    """Narayanan et al. 2021 per iteration: ``72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))``, or with
+    full recomputation ``96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))`` (their eq. 3)."""
+    if recompute:
+        return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    return 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+
+
+# ---------------------------------------------------------------------------- the rules
+
+PIPELINE_LAYOUTS = ("even", "ends")
+SCHEDULES = ("1f1b", "dualpipe")
+TP_OVERLAP = ("none", "backward", "all")
+CP_METHODS = ("ring", "allgather")
+
+
+def check_layout(m: Model, c: Cluster, tp=1, sp=False, cp=1, ep=1, pp=1, dp=1, micro_batch=1, seq_len=2048,
+                 recompute="none", zero=0, vpp=1, etp=1, pp_layout="even") -> None:
+    """Every rule a layout must follow, each a ``ValueError`` naming the numbers.
+
+    Expert parallelism is *folded* (Megatron-Core's MoE parallel folding): the MoE layers
+    split the same ``tp·cp·dp`` GPUs of a pipeline stage as expert-tensor × expert × expert-data
+    parallelism, so ``etp·ep`` must divide ``tp·cp·dp``; ``ep`` may span the tensor-parallel ranks.
+    """
+    for value, what in ((tp, "tp"), (cp, "cp"), (ep, "ep"), (pp, "pp"), (dp, "dp"), (micro_batch, "micro_batch"),
+                        (seq_len, "seq_len"), (vpp, "vpp"), (etp, "etp")):
+        _whole(value, what)
+    gpus = tp * cp * pp * dp
+    if c.gpus % gpus:
+        raise ValueError(f"tp·cp·pp·dp = {tp}·{cp}·{pp}·{dp} = {gpus} GPUs does not divide the cluster's {c.gpus}")
+    if m.heads % tp:
+        raise ValueError(f"{m.heads} attention heads are not divisible by tp={tp}")
+    if m.kv_heads % tp and tp % m.kv_heads:
+        raise ValueError(f"{m.kv_heads} key/value heads and tp={tp}: one must divide the other")
+    if m.hidden % tp or (m.ffn % tp) or (m.is_moe and m.moe_ffn % etp):
+        raise ValueError(f"the hidden size {m.hidden} and MLP widths must be divisible by tp={tp} (experts: etp={etp})")
+    if pp_layout not in PIPELINE_LAYOUTS:
+        raise ValueError(f"pp_layout must be one of {PIPELINE_LAYOUTS}, got {pp_layout!r}")
+    slots = m.layers + (2 if pp_layout == "ends" else 0)             # "ends": embedding and head take a layer's place
+    if pp * vpp > slots:
+        raise ValueError(f"pp·vpp = {pp}·{vpp} = {pp * vpp} pipeline stages is more than the model's {m.layers} layers"
+                         + (" and its embedding and head" if pp_layout == "ends" else ""))
+    if vpp > 1 and pp == 1:
+        raise ValueError(f"vpp={vpp} virtual stages need pipeline parallelism (pp > 1)")
+    if seq_len % (2 * cp if cp > 1 else 1):
+        raise ValueError(f"seq_len {seq_len} is not divisible by 2·cp = {2 * cp} (zigzag context parallelism)")
+    if sp and (seq_len // cp) % tp:
+        raise ValueError(f"sequence parallelism needs tp={tp} to divide the {seq_len // cp} tokens per cp rank")
+    if sp and tp == 1:
+        raise ValueError("sequence parallelism needs tp > 1")
+    if (ep > 1 or etp > 1) and not m.is_moe:
+        raise ValueError(f"expert parallelism (ep={ep}, etp={etp}) needs a mixture-of-experts model; {m.name} is dense")
+    if m.is_moe and m.experts % ep:
+        raise ValueError(f"{m.experts} experts do not split evenly over ep={ep}")
+    if (tp * cp * dp) % (etp * ep):
+        raise ValueError(f"expert parallelism folds into each stage's tp·cp·dp = {tp * cp * dp} GPUs: etp·ep = "
+                         f"{etp}·{ep} = {etp * ep} must divide it")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
+
+
+# ---------------------------------------------------------------------------- memory
+
+def model_state_bytes(n_params: float, replicas: int, zero: int = 1, grad_bytes: int = 4,
+                      optimizer_bytes: int = 12) -> dict:
+    """Weights, gradients and optimizer state of ``n_params`` parameters on one GPU.
+
+    Megatron-LM's count (``theoretical_memory_usage.py``): bf16 weights (2 bytes), fp32
+    gradients (4; ``grad_bytes=2`` for bf16), fp32 master weights and two Adam moments (12):
+    18 bytes per parameter, ``6 + 12/d`` with the distributed optimizer (``zero=1``) over ``d``
+    replicas; ZeRO-2 shards the gradients too, ZeRO-3 the weights (Rajbhandari et al. 2020).
+    """
+    _whole(replicas, "replicas")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
+    if grad_bytes not in (2, 4):
+        raise ValueError(f"grad_bytes must be 2 (bf16) or 4 (fp32), got {grad_bytes!r}")
+    d = replicas
+    return dict(weights=2 * n_params / (d if zero >= 3 else 1),
+                gradients=grad_bytes * n_params / (d if zero >= 2 else 1),
+                optimizer=optimizer_bytes * n_params / (d if zero >= 1 else 1))
+
+
+RECOMPUTE_MODULES = ("layernorm", "mla_up_proj", "moe_act")
+
+
+def _check_modules(m: Model, modules) -> tuple:
+    modules = tuple(modules)
+    bad = [x for x in modules if x not in RECOMPUTE_MODULES]
+    if bad:
+        raise ValueError(f"recompute_modules must be among {RECOMPUTE_MODULES}, got {bad}")
+    if "mla_up_proj" in modules and (m.moe_config is None or m.moe_config.attention != "mla"):
+        raise ValueError(f"recompute_modules 'mla_up_proj' needs multi-head latent attention; {m.name} has none")
+    return modules
+
+
+def layer_activation_terms(m: Model, s: int, b: int, tp: int, sp: bool, recompute: str, moe_layer: bool,
+                           fused: bool = True, fp8: bool = False, modules=()) -> dict:
+    """One layer's activations on one GPU, in bytes, by tensor: Korthikanti et al.'s terms adjusted.
+
+    Grouped-query attention keeps K and V at ``kv_heads/heads`` of Q's size (MLA: its own
+    query·key and value widths, and the two latents its up-projections read); the MLP keeps
+    its wide tensors at the real width (GeLU: its input and fc2's input; SwiGLU: gate, up and
+    fc2's input); a model without dropout keeps no masks. An MoE layer keeps, per token, the
+    router's fp32 scores, ``k`` routed copies of the token (the experts' inputs), their SwiGLU
+    tensors and the ``k`` expert outputs the combine weighs, plus the shared experts' tensors;
+    with sequence parallelism each tensor-parallel rank routes its ``s/t`` tokens. ``s`` is the
+    sequence a GPU holds (``s/cp``). ``fp8``: linear layers keep their inputs in FP8 (1 byte)
+    for the weight gradients (DeepSeek-V3 §3.3.3). ``modules`` (Megatron-Core's
+    ``--recompute-modules``) drops what is recomputed in the backward pass: ``layernorm`` the
+    norms' outputs, ``mla_up_proj`` MLA's Q, K, V (the latents stay), ``moe_act`` the experts'
+    SwiGLU output.
+    """
+    modules = _check_modules(m, modules)
+    terms = activation_terms(s, b, m.hidden, m.heads, t=tp, sp=sp, recompute=recompute, fused=fused,
+                             dropout=m.dropout)
+    if recompute == "full":
+        return {k: float(v) for k, v in terms.items()}
+    e = 2
+    linear_e = 1 if fp8 else e                                  # what a linear layer keeps of its input
+    for name in ("q|k|v input", "fc1 input"):
+        terms[name] = 0.0 if "layernorm" in modules else terms[name] * linear_e / e
+    c = m.moe_config
+    tokens = s * b / tp                                                               # per head group on this rank
+    if c is not None and c.attention == "mla":
+        dqk, dv = m.head_dims
+        terms["latents"] = s * b * (c.q_lora_rank + c.kv_lora_rank + c.qk_rope_head_dim) * e
+        terms["Q and K"] = 0.0 if "mla_up_proj" in modules else tokens * m.heads * dqk * 2 * e
+        terms["V"] = 0.0 if "mla_up_proj" in modules else tokens * m.heads * dv * e
+        terms["projection input"] = tokens * m.heads * dv * linear_e
     else:
-        per_layer = _attention_params(m) + m.mlp_matrices * m.hidden * m.ffn + 2 * m.hidden
-        embedding = 2 * m.vocab * m.hidden
-        total = active = m.layers * per_layer + embedding + m.hidden
-        experts = 0
-    return dict(total=total, active=active, experts=experts, dense=total - experts - embedding,
-                embedding=embedding)
+        sbh = tokens * m.hidden * e                                                    # one (s, b, h/t) tensor
+        kv = m.kv_heads / m.heads
+        terms["Q and K"] = sbh * (1 + kv)
+        terms["V"] = sbh * kv
+        terms["projection input"] = terms["projection input"] * linear_e / e
+    for name in ("GeLU input", "fc2 input"):
+        terms.pop(name, None)
+    wide = (m.mlp_matrices - 1) * e + linear_e               # GeLU's or SwiGLU's inputs, and fc2's input
+    if not moe_layer:
+        terms["MLP wide tensors"] = s * b * m.ffn / tp * wide
+        return {k: float(v) for k, v in terms.items()}
+    rank_tokens = s * b / (tp if sp else 1)
+    k = m.top_k
+    expert_wide = (m.mlp_matrices - 1) * e + (0 if "moe_act" in modules else linear_e)
+    terms["router scores"] = rank_tokens * m.experts * 4
+    terms["routed copies"] = rank_tokens * k * m.hidden * linear_e
+    terms["expert wide tensors"] = rank_tokens * k * m.moe_ffn * expert_wide
+    terms["expert outputs"] = rank_tokens * k * m.hidden * e
+    terms["shared expert wide tensors"] = s * b * m.shared_experts * m.moe_ffn * wide / tp
+    return {k: float(v) for k, v in terms.items()}
+
+
+def layer_activation_bytes(m: Model, s: int, b: int, tp: int, sp: bool, recompute: str, moe_layer: bool,
+                           fused: bool = True, fp8: bool = False, modules=()) -> float:
+    """The sum of :func:`layer_activation_terms`."""
+    return float(sum(layer_activation_terms(m, s, b, tp, sp, recompute, moe_layer, fused, fp8, modules).values()))
+
+
+# ---------------------------------------------------------------------------- communication helpers
+
+def expected_nodes(experts: int, nodes: int, k: int, limit: int | None = None) -> float:
+    """Distinct nodes a token's ``k`` experts sit on, chosen at random among ``experts`` spread
+    evenly over ``nodes`` (chapter 06): ``nodes·(1 − C(E − E/nodes, k)/C(E, k))``, at most ``limit``."""
+    for value, what in ((experts, "experts"), (nodes, "nodes"), (k, "k")):
+        _whole(value, what)
+    if experts % nodes:
+        raise ValueError(f"{experts} experts do not spread evenly over {nodes} nodes")
+    if k > experts:
+        raise ValueError(f"k={k} experts per token is more than the {experts} experts")
+    spread = nodes * (1 - math.comb(experts - experts // nodes, k) / math.comb(experts, k))
+    return min(spread, limit) if limit else spread
+
+
+def ring_bandwidth(c: Cluster, stride: int, group: int) -> float:
+    """Bytes/s per GPU of a ring collective over ``group`` ranks placed ``stride`` GPUs apart.
+
+    Inside one node: the NVLink figure. Across nodes, a ring crosses each node boundary once
+    and the node's ``k`` members of the group share its ``k`` NICs, so each member's data
+    leaves at ``k`` times one NIC's rate, at most the NVLink rate (NCCL spreads its rings over
+    the node's NICs).
+    """
+    per_node = max(1, c.gpus_per_node // stride)
+    if group <= per_node:
+        return c.intra
+    return min(c.intra, per_node * c.inter)
+
+
+def _stage_layers(m: Model, pp: int, layout: str) -> list[tuple[int, int, bool]]:
+    """Per pipeline rank: (dense layers, MoE layers, holds the output head), layers in order.
+
+    ``even``: the layers split as evenly as they go, the first ranks taking one more when
+    ``pp`` does not divide them (Megatron-LM's default); the output head rides on the last rank.
+    ``ends``: the input embedding and the output head each take the place of one layer, so the
+    first and last ranks hold one layer fewer (Llama 3's balancing).
+    """
+    slots = m.layers + (2 if layout == "ends" else 0)
+    counts = [slots // pp + (1 if r < slots % pp else 0) for r in range(pp)]
+    if layout == "ends":
+        counts[0] -= 1
+        counts[-1] -= 1
+        if min(counts) < 0:
+            raise ValueError(f"pp={pp} stages leave the first or last with no room for the embedding or head")
+    out, start = [], 0
+    for r, n in enumerate(counts):
+        dense = max(0, min(start + n, m.dense_layers if m.is_moe else m.layers) - start)
+        out.append((dense, n - dense, r == pp - 1))
+        start += n
+    return out
 
 
 # ---------------------------------------------------------------------------- the plan
@@ -157,85 +517,52 @@ class Plan:
     crosses_nodes: dict
     time: dict
     mfu: float
+    hfu: float
     gpus: int
+    flops: dict
+    efficiency: dict
+    micro_batches: int
 
     @property
     def fits(self) -> bool:
         return self.memory_bytes["total"] <= self.memory_bytes["capacity"]
 
 
-def check_layout(m: Model, c: Cluster, tp=1, sp=False, cp=1, ep=1, pp=1, dp=1, micro_batch=1, seq_len=2048,
-                 recompute="none", zero=0) -> None:
-    """Every rule a layout must follow, each a ``ValueError`` naming the numbers."""
-    for value, what in ((tp, "tp"), (cp, "cp"), (ep, "ep"), (pp, "pp"), (dp, "dp"), (micro_batch, "micro_batch"),
-                        (seq_len, "seq_len")):
-        _whole(value, what)
-    gpus = tp * cp * pp * dp
-    if c.gpus % gpus:
-        raise ValueError(f"tp·cp·pp·dp = {tp}·{cp}·{pp}·{dp} = {gpus} GPUs does not divide the cluster's {c.gpus}")
-    if m.heads % tp:
-        raise ValueError(f"{m.heads} attention heads are not divisible by tp={tp}")
-    if m.kv_heads % tp and tp % m.kv_heads:
-        raise ValueError(f"{m.kv_heads} key/value heads and tp={tp}: one must divide the other")
-    if m.hidden % tp or (m.ffn % tp) or (m.is_moe and m.moe_ffn % tp):
-        raise ValueError(f"the hidden size {m.hidden} and MLP widths must be divisible by tp={tp}")
-    if pp > m.layers:
-        raise ValueError(f"pp={pp} pipeline stages is more than the model's {m.layers} layers")
-    if seq_len % (2 * cp if cp > 1 else 1):
-        raise ValueError(f"seq_len {seq_len} is not divisible by 2·cp = {2 * cp} (zigzag context parallelism)")
-    if sp and (seq_len // cp) % tp:
-        raise ValueError(f"sequence parallelism needs tp={tp} to divide the {seq_len // cp} tokens per cp rank")
-    if sp and tp == 1:
-        raise ValueError("sequence parallelism needs tp > 1")
-    if ep > 1 and not m.is_moe:
-        raise ValueError(f"ep={ep} needs a mixture-of-experts model; {m.name} is dense")
-    if m.is_moe and m.experts % ep:
-        raise ValueError(f"{m.experts} experts do not split evenly over ep={ep}")
-    if (dp * cp) % ep:
-        raise ValueError(f"expert parallelism is carved out of data × context parallelism: ep={ep} must divide "
-                         f"dp·cp = {dp * cp}")
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
-    if zero not in (0, 1, 2, 3):
-        raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
-
-
-def layer_activation_bytes(m: Model, s: int, b: int, tp: int, sp: bool, recompute: str, moe_layer: bool,
-                           fused: bool = True) -> float:
-    """One layer's activations on one GPU (bf16, fused attention), Korthikanti's terms adjusted.
-
-    Grouped-query attention keeps K and V at ``kv_heads/heads`` of Q's size; the MLP keeps
-    its two wide tensors (GeLU input and fc2 input, ``4h`` each in the paper) at the real
-    width: ``ffn`` per matrix of the up-projection (SwiGLU has two) and the down-projection's
-    input, times ``k`` experts per token (+ shared) in an MoE layer.
-    """
-    terms = activation_terms(s, b, m.hidden, m.heads, t=tp, sp=sp, recompute=recompute, fused=fused)
-    if recompute == "full":
-        return float(sum(terms.values()))
-    sbh = s * b * m.hidden * 2 / tp                                                   # one (s, b, h/t) bf16 tensor
-    kv = m.kv_heads / m.heads
-    terms["Q and K"] = sbh * (1 + kv)
-    terms["V"] = sbh * kv
-    width = (m.top_k + m.shared_experts) * m.moe_ffn if moe_layer else m.ffn
-    per_wide = s * b * width * 2 / tp                                                 # one (s, b, width/t) tensor
-    terms["GeLU input"] = per_wide * (m.mlp_matrices - 1)                             # GeLU: 1; SwiGLU: gate and up
-    terms["fc2 input"] = per_wide
-    return float(sum(terms.values()))
-
-
 def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int = 1, ep: int = 1, pp: int = 1,
          dp: int = 1, micro_batch: int = 1, seq_len: int = 2048, recompute: str = "none", zero: int = 0,
-         global_batch: int | None = None, efficiency: float = 0.5, fused: bool = True) -> Plan:
+         global_batch: int | None = None, vpp: int = 1, efficiency: float | None = None, *, etp: int = 1,
+         fused: bool = True, grad_bytes: int = 4, optimizer_bytes: int = 12, fp8: bool = False,
+         tp_overlap: str = "backward", dp_overlap: bool = True, cp_method: str = "ring", dedup: bool = False,
+         node_limit: int | None = None, ep_overlap: bool = False, comm_sms: int = 0, schedule: str = "1f1b",
+         pp_layout: str = "even", recompute_modules: tuple = (), vpp_group: int | None = None,
+         attention_efficiency: float | None = None) -> Plan:
     """Memory, traffic and time per GPU for ``model`` on ``cluster`` with this layout.
 
     A step processes ``global_batch`` sequences of ``seq_len`` tokens (default: 8
-    micro-batches per pipeline, at least ``pp``), so layouts of the same cluster can be
-    compared on the same work. ``efficiency`` is the assumed sustained fraction of peak;
-    ``fused=False`` counts attention's s×s tensors as Korthikanti et al. did (no
-    FlashAttention-style kernel).
+    micro-batches per pipeline, at least ``pp``). ``efficiency=None`` takes the cluster's
+    calibrated kernel curve at each layer's matrix size; a number overrides it. ``fused``:
+    a FlashAttention-style kernel (no s×s tensors kept; a causal mask skips half the scores);
+    ``fused=False`` counts attention as Korthikanti et al. did. The keyword-only options are
+    the software choices of the module docstring (``attention_efficiency`` runs attention's
+    products at their own fraction of peak, for what-if questions; ``vpp_group`` is ``G``,
+    Megatron-Core's micro-batches per virtual stage); the defaults follow Megatron-LM.
     """
     m, c = model, cluster
-    check_layout(m, c, tp, sp, cp, ep, pp, dp, micro_batch, seq_len, recompute, zero)
+    check_layout(m, c, tp, sp, cp, ep, pp, dp, micro_batch, seq_len, recompute, zero, vpp, etp, pp_layout)
+    for value, allowed, what in ((schedule, SCHEDULES, "schedule"), (tp_overlap, TP_OVERLAP, "tp_overlap"),
+                                 (cp_method, CP_METHODS, "cp_method")):
+        if value not in allowed:
+            raise ValueError(f"{what} must be one of {allowed}, got {value!r}")
+    if schedule == "dualpipe" and (pp % 2 or vpp > 1):
+        raise ValueError(f"DualPipe needs an even number of stages and no virtual stages (pp={pp}, vpp={vpp})")
+    if attention_efficiency is not None and (isinstance(attention_efficiency, bool) or not isinstance(
+            attention_efficiency, (int, float)) or not 0 < attention_efficiency <= 1):
+        raise ValueError(f"attention_efficiency must lie in (0, 1], got {attention_efficiency!r}")
+    if fp8 and not c.fp8_peak:
+        raise ValueError(f"{c.name} has no FP8 peak: fp8=True needs FP8 tensor cores")
+    _whole(comm_sms, "comm_sms", minimum=0)
+    if comm_sms >= c.sms:
+        raise ValueError(f"comm_sms={comm_sms} leaves none of the GPU's {c.sms} SMs for computation")
     if global_batch is None:
         global_batch = dp * micro_batch * max(pp, 8)
     _whole(global_batch, "global_batch")
@@ -243,89 +570,459 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
         raise ValueError(f"global batch {global_batch} is not a whole number of micro-batches of {micro_batch} "
                          f"on each of dp={dp} replicas")
     mb = global_batch // (dp * micro_batch)                                              # micro-batches per replica
-    if pp > 1 and mb < pp:
+    if pp > 1 and mb < pp and schedule == "1f1b" and vpp == 1:
         raise ValueError(f"{mb} micro-batches per replica cannot fill pp={pp} pipeline stages")
-    if not 0 < efficiency <= 1:
-        raise ValueError(f"efficiency must lie in (0, 1], got {efficiency}")
+    group = pp if vpp_group is None else _whole(vpp_group, "vpp_group")
+    if vpp_group is not None and vpp == 1:
+        raise ValueError(f"vpp_group={vpp_group} groups micro-batches per virtual stage: it needs vpp > 1")
+    if schedule == "dualpipe" and mb % 2:
+        raise ValueError(f"DualPipe feeds micro-batches from both ends: {mb} per replica is odd")
     gpus = tp * cp * pp * dp
-    p = params(m)
-    # --- weights, gradients, optimizer state (bytes per GPU); experts are not split by tp here
-    stage_share = math.ceil(model.layers / pp) / model.layers                           # the fullest stage
-    dense_local = p["dense"] * stage_share / tp + p["embedding"] / (2 * tp)             # + the first/last stage's table
-    expert_local = p["experts"] * stage_share / ep
-    local = dense_local + expert_local
-    shard_dense, shard_experts = dp * cp, (dp * cp) // ep                                # replicas to shard over
-    sharded = dense_local / shard_dense + expert_local / shard_experts                  # one ZeRO shard's parameters
-    weights = 2 * (local if zero < 3 else sharded)
-    grads = 2 * (local if zero < 2 else sharded)
-    optim = 12 * (local if zero < 1 else sharded)
-    # --- activations: L layers' worth on the first stage (1F1B), sequence s/cp
-    s_local = seq_len // cp
-    moe_layers = m.layers - m.dense_layers if m.is_moe else 0
-    per_dense = layer_activation_bytes(m, s_local, micro_batch, tp, sp, recompute, False, fused)
-    per_moe = layer_activation_bytes(m, s_local, micro_batch, tp, sp, recompute, True, fused) if m.is_moe else 0.0
-    stage = math.ceil(m.layers / pp)                                                    # the fullest stage's layers
-    share = stage / m.layers
-    activations = ((m.layers - moe_layers) * per_dense + moe_layers * per_moe) * share * min(pp, mb)
-    memory = dict(weights=weights, gradients=grads, optimizer=optim, activations=activations)
+    edp = tp * cp * dp // (etp * ep)                                                     # expert data parallelism
+    h, e = m.hidden, 2
+    lp = layer_params(m)
+    stages = _stage_layers(m, pp, pp_layout)
+    dqk, dv = m.head_dims
+    s_loc = seq_len // cp
+    N = s_loc * micro_batch                                                              # tokens per micro-batch
+    rank_tokens = N / (tp if sp else 1)                                                  # what an MoE layer routes
+    g = c.gpus_per_node
+
+    # --- memory: the first stage (embedding, most activations) or, at pp = 1, everything
+    first_dense, first_moe, _ = stages[0]
+    tables = 2 if pp == 1 else 1
+    dense_params = ((first_dense + first_moe) * lp["attention"] + first_dense * lp["mlp"]
+                    + first_moe * (lp.get("shared", 0))) / tp + tables * m.vocab * h / tp \
+        + (first_dense + first_moe) * lp["norms"] + first_moe * lp.get("router", 0)
+    expert_params = first_moe * lp.get("experts", 0) / (etp * ep)
+    copies = 2 if schedule == "dualpipe" else 1                                         # DualPipe: 2 stages per rank
+    dense_state = model_state_bytes(copies * dense_params, dp * cp, zero, grad_bytes, optimizer_bytes)
+    expert_state = model_state_bytes(copies * expert_params, edp, zero, grad_bytes, optimizer_bytes)
+    memory = {k: dense_state[k] + expert_state[k] for k in dense_state}
+    mods = _check_modules(m, recompute_modules)
+    per_dense = layer_activation_bytes(m, s_loc, micro_batch, tp, sp, recompute, False, fused, fp8, mods)
+    per_moe = layer_activation_bytes(m, s_loc, micro_batch, tp, sp, recompute, True, fused, fp8, mods) if m.is_moe else 0.0
+    stage_acts = first_dense * per_dense + first_moe * per_moe
+    if schedule == "dualpipe":
+        in_flight = (pp + 1) * copies / 2          # DeepSeek-V3 Table 2: PP + 1 micro-batches of a rank's two chunks
+    elif vpp > 1:                         # Megatron-LM's interleaved warm-up on the first rank, in model chunks
+        chunks = min(mb * vpp, 2 * (pp - 1) + (vpp - 1) * group + 1)
+        in_flight = chunks / vpp
+    else:
+        in_flight = min(pp, mb)
+    activations = stage_acts * in_flight
+    if pp == 1:                                                                           # logits (fp32) and their input
+        activations += 4 * N * (h + m.vocab) / tp
+    memory["activations"] = activations
     memory["total"] = sum(memory.values())
     memory["capacity"] = c.memory
-    # --- communication per GPU per step (bytes sent)
-    layers_here = math.ceil(m.layers / pp)
-    sbh = s_local * micro_batch * m.hidden * 2                                           # one bf16 activation
-    comm = {"tp": 4 * bus_factor("all_reduce", tp) * sbh * layers_here * mb}
-    kv_block = micro_batch * s_local * (m.hidden // tp) * 2 * m.kv_heads / m.heads      # this rank's k (or v)
-    comm["cp"] = (2 * (cp - 1) * kv_block * 2 + 2 * cp * kv_block * 2) * layers_here * mb if cp > 1 else 0.0
-    tokens_local = s_local * micro_batch / (tp if sp else 1)
-    moe_here = math.ceil(moe_layers / pp)
-    comm["ep"] = 4 * tokens_local * m.top_k * m.hidden * 2 * (ep - 1) / ep * moe_here * mb if ep > 1 else 0.0
-    comm["pp"] = 2 * sbh / (tp if sp else 1) * mb if pp > 1 else 0.0
-    comm["dp"] = bus_factor("all_reduce", dp * cp) * 2 * local if dp * cp > 1 else 0.0   # bf16 gradients
-    # --- which groups leave the fast domain (Megatron's rank order: tp, cp, dp, pp)
-    g = c.gpus_per_node
-    crosses = dict(tp=tp > g, cp=cp > 1 and tp * cp > g, ep=ep > 1 and tp * cp * ep > g,
+
+    # --- which groups leave the fast domain (Megatron's order: tp, cp, [ep inside tp·cp·dp], dp, pp)
+    crosses = dict(tp=tp > g, cp=cp > 1 and tp * cp > g, ep=ep > 1 and etp * ep > g,
                    dp=dp * cp > 1 and tp * cp * dp > g, pp=pp > 1 and tp * cp * dp * pp > g)
     bw = {k: (c.inter if v else c.intra) for k, v in crosses.items()}
-    # --- time per step: the step's work spread over all GPUs
-    tokens_step = global_batch * seq_len
-    flops_token = 6 * p["active"] + 12 * m.layers * m.hidden * seq_len
-    if recompute == "full":
-        flops_token *= 8 / 6                                                             # the forward runs twice
-    compute = flops_token * tokens_step / gpus / (c.peak * efficiency)
-    exposed = {k: comm[k] / bw[k] for k in ("tp", "cp", "ep", "pp")}
-    exposed["dp"] = max(0.0, comm["dp"] / bw["dp"] - compute * 2 / 3)                   # hidden behind backward
-    bubble = compute * (pp - 1) / mb
-    total = compute + sum(exposed.values()) + bubble
-    mfu = 6 * p["active"] * tokens_step / (total * gpus * c.peak)
-    time = dict(compute=compute, bubble=bubble, **{f"{k} comm": v for k, v in exposed.items()}, total=total)
-    return Plan(memory, comm, crosses, time, mfu, gpus)
+    bw["dp"] = ring_bandwidth(c, tp, dp * cp)      # a ring over nodes: the node's NICs serve its members together
 
+    # --- compute per micro-batch and layer, on one GPU
+    share = 1 - comm_sms / c.sms
+    gemm_peak = (c.fp8_peak if fp8 else c.peak) * share
+    core_peak = c.peak * share
+    causal = 0.5 if fused else 1.0                                # a fused kernel skips the masked half
+    core_f = 2 * N * seq_len * m.heads * (dqk + dv) / tp * causal                       # scores + weighted sum
+    n_dense = gemm_size(m, tp)
+    n_moe = gemm_size(m, tp, etp, True) if m.is_moe else n_dense
+    eta_dense = kernel_efficiency(c, n_dense, efficiency)
+    eta_moe = kernel_efficiency(c, n_moe, efficiency) if m.is_moe else eta_dense
+    attn_f = 2 * N * lp["attention"] / tp
+
+    def gemm_seconds(flops: float, n: float) -> float:
+        """Matrix products at η_max of their peak, and the rest of the layer's kernels (n_half/n of
+        that time, at the bf16 rate): FP8 speeds up only the products."""
+        if efficiency is None or isinstance(efficiency, KernelCurve):
+            curve = efficiency if isinstance(efficiency, KernelCurve) else KERNEL_CURVES[c.generation]
+            return flops / (curve.eta_max * share) * (1 / (c.fp8_peak if fp8 else c.peak) + curve.n_half / n / c.peak)
+        return flops / (gemm_peak * efficiency)
+
+    def layer(moe_layer: bool) -> dict:
+        eta, n = (eta_moe, n_moe) if moe_layer else (eta_dense, n_dense)
+        if moe_layer:
+            mlp_f = 2 * N * (m.top_k * lp["expert"] + lp["shared"] + lp["router"]) / tp
+        else:
+            mlp_f = 2 * N * lp["mlp"] / tp
+        gemm = gemm_seconds(attn_f + mlp_f, n)
+        core = core_f / (core_peak * (eta if attention_efficiency is None else attention_efficiency))
+        fwd = gemm + core
+        again = {"none": 0.0, "selective": core, "full": fwd}[recompute]
+        if recompute != "full" and "mla_up_proj" in mods:
+            again += gemm_seconds(2 * N * _up_projection_params(m) / tp, n)
+        return dict(fwd=fwd, bwd=2 * fwd, again=again, core=core)
+
+    head_f = 2 * N * h * m.vocab / tp
+    eta_head = kernel_efficiency(c, math.sqrt(h * m.vocab / tp), efficiency)
+    head_time = 3 * head_f / (core_peak * eta_head)                                      # kept in bf16 (DeepSeek-V3)
+
+    # --- communication per micro-batch and layer, exposed part
+    def tp_exposed(L: dict, moe_layer: bool) -> tuple[float, float]:
+        if tp == 1:
+            return 0.0, 0.0
+        pairs = 1 if (moe_layer and etp == 1) else 2      # an MoE layer with whole experts: attention's pair only
+        per = bus_factor("all_reduce", tp) * N * h * e / bw["tp"]                       # one all-reduce's time
+        fwd_c = pairs * per
+        passes = 3 if recompute == "full" else 2
+        sent = passes * pairs * bus_factor("all_reduce", tp) * N * h * e
+        if tp_overlap == "none":
+            exposed = passes * fwd_c
+        elif tp_overlap == "backward":
+            exposed = (passes - 1) * fwd_c + max(0.0, fwd_c - L["bwd"] / 2)             # behind the weight gradients
+        else:
+            exposed = (passes - 1) * max(0.0, fwd_c - L["fwd"]) + max(0.0, fwd_c - L["bwd"])
+        return sent, exposed
+
+    def cp_exposed(L: dict) -> tuple[float, float]:
+        if cp == 1:
+            return 0.0, 0.0
+        kv_local = max(m.kv_heads // tp, 1)
+        if cp_method == "allgather":                                     # K, V gathered; dK, dV reduce-scattered
+            block = micro_batch * s_loc * kv_local * dqk * e
+            sent = 2 * (cp - 1) * 2 * block
+            return sent, sent / bw["cp"] * (1.5 if recompute == "full" else 1.0)
+        costs = cp_costs(seq_len, micro_batch, kv_local, dqk, cp, "ring", causal=True, layout="zigzag", itemsize=e)
+        steps = cp - 1
+        fwd = max(0.0, costs["forward"] / steps / bw["cp"] - L["core"] / cp) * steps
+        bwd = max(0.0, costs["backward"] / steps / bw["cp"] - 2 * L["core"] / cp) * steps
+        return costs["sent"], fwd + bwd
+
+    def ep_exposed(L: dict) -> tuple[float, float]:
+        if ep == 1:
+            return 0.0, 0.0
+        per_node = max(1, min(ep, g // etp))
+        nodes = ep // per_node if ep % per_node == 0 else math.ceil(ep / per_node)
+        k = m.top_k
+        dispatch_e = 1 if fp8 else e
+        if dedup and nodes > 1:                # one copy per remote node, then NVLink to the experts' GPUs
+            ib_copies = expected_nodes(m.experts, nodes, k, node_limit) * (nodes - 1) / nodes
+            nv_copies = k * (per_node - 1) / per_node
+        else:                                  # one copy per assignment that leaves the GPU
+            ib_copies = k * (ep - per_node) / ep
+            nv_copies = k * (per_node - 1) / ep
+        unit = rank_tokens * h * (dispatch_e + 3 * e)          # dispatch, combine; their gradients backward
+        sent = unit * (ib_copies + nv_copies)
+        ib, nv = unit * ib_copies / c.inter, unit * nv_copies / c.intra
+        t_comm = max(ib, nv) if dedup else ib + nv          # node-aware kernels keep both links busy at once
+        hidden = (L["fwd"] + L["bwd"] + L["again"]) if ep_overlap else 0.0
+        return sent, max(0.0, t_comm - hidden)
+
+    per = {}
+    for kind in ([False, True] if m.is_moe else [False]):
+        L = layer(kind)
+        tp_b, tp_t = tp_exposed(L, kind)
+        cp_b, cp_t = cp_exposed(L)
+        ep_b, ep_t = ep_exposed(L) if kind else (0.0, 0.0)
+        per[kind] = dict(compute=L["fwd"] + L["bwd"] + L["again"], fwd=L["fwd"], bwd=L["bwd"],
+                         tp=(tp_b, tp_t), cp=(cp_b, cp_t), ep=(ep_b, ep_t))
+
+    def rank_time(dense_n: int, moe_n: int, head: bool) -> dict:
+        out = dict(compute=0.0, fwd=0.0, bwd=0.0, tp=0.0, cp=0.0, ep=0.0)
+        for kind, n in ((False, dense_n), (True, moe_n)):
+            if n:
+                L = per[kind]
+                for key in ("compute", "fwd", "bwd"):
+                    out[key] += n * L[key]
+                for key in ("tp", "cp", "ep"):
+                    out[key] += n * L[key][1]
+        if head:
+            out["compute"] += head_time
+            out["fwd"] += head_time / 3
+            out["bwd"] += 2 * head_time / 3
+        return out
+
+    ranks = [rank_time(*st) for st in stages]
+    slowest = max(ranks, key=lambda r: r["compute"] + r["tp"] + r["cp"] + r["ep"])
+    pp_bytes = 2 * N * h * e / (tp if sp else 1) * vpp if pp > 1 else 0.0                # per micro-batch
+    pp_time = 0.0 if (pp == 1 or schedule == "dualpipe") else pp_bytes / bw["pp"]
+    t_mb = slowest["compute"] + slowest["tp"] + slowest["cp"] + slowest["ep"] + pp_time
+    if pp == 1:
+        bubble = 0.0
+    elif schedule == "dualpipe":
+        bubble = (pp / 2 - 1) * (2 / 3) * t_mb      # (F&B + B − 3W) with F&B ≈ F + B, B = 2F, W = F
+    else:
+        bubble = (pp - 1) / vpp * t_mb
+
+    # --- data parallelism: gradients and parameters of the fullest stage, once per step
+    replicas = dp * cp
+    grads_dense, grads_exp = dense_params * copies, expert_params * copies
+    if zero >= 1:
+        rs = bus_factor("reduce_scatter", replicas) * grads_dense * grad_bytes + \
+            bus_factor("reduce_scatter", edp) * grads_exp * grad_bytes
+        ag = bus_factor("all_gather", replicas) * grads_dense * e + bus_factor("all_gather", edp) * grads_exp * e
+    else:
+        rs = bus_factor("all_reduce", replicas) * grads_dense * grad_bytes + \
+            bus_factor("all_reduce", edp) * grads_exp * grad_bytes
+        ag = 0.0
+    t_rs, t_ag = rs / bw["dp"], ag / bw["dp"]
+    if dp_overlap:
+        dp_time = max(0.0, t_rs - slowest["bwd"]) + max(0.0, t_ag - slowest["fwd"])
+    else:
+        dp_time = t_rs + t_ag
+
+    compute = mb * slowest["compute"]
+    time = dict(compute=compute, bubble=bubble, **{f"{k} comm": mb * slowest[k] for k in ("tp", "cp", "ep")},
+                **{"pp comm": mb * pp_time, "dp comm": dp_time})
+    time["total"] = sum(time.values())
+    fl = flops_per_token(m, seq_len, recompute, mods)
+    tokens = global_batch * seq_len
+    flops = dict(model=fl["model"] * tokens, hardware=fl["hardware"] * tokens)
+    denominator = time["total"] * gpus * c.peak
+    mb_tp, mb_cp = per[False]["tp"][0], per[False]["cp"][0]
+    layers_here = sum(d + x for d, x, _ in stages) / pp
+    comm = dict(tp=mb * layers_here * mb_tp, cp=mb * layers_here * mb_cp,
+                ep=mb * max(sum(x for _, x, _ in stages) / pp, 0) * (per[True]["ep"][0] if m.is_moe else 0.0),
+                pp=mb * pp_bytes, dp=rs + ag)
+    return Plan(memory, comm, crosses, time, flops["model"] / denominator, flops["hardware"] / denominator, gpus,
+                flops, dict(dense=eta_dense, moe=eta_moe if m.is_moe else None, head=eta_head), mb)
+
+
+# ---------------------------------------------------------------------------- search
 
 def search(model: Model, cluster: Cluster, seq_len: int = 4096, global_batch: int = 1024, micro_batch: int = 1,
-           gpus: int | None = None) -> list[tuple[dict, Plan]]:
+           gpus: int | None = None, efficiency: float | None = None) -> list[tuple[dict, Plan]]:
     """Every valid layout on ``gpus`` GPUs (the whole cluster by default) that fits memory,
-    fastest first, all doing the same work per step (``global_batch`` sequences). Degrees
-    run over divisors, tp within a node; sequence parallelism is on whenever tp > 1 and
-    ZeRO-1 always; recomputation none or full (with the fused attention the planner
-    assumes, selective recomputation keeps exactly what no recomputation keeps)."""
-    n = cluster.gpus if gpus is None else gpus
+    fastest first, all doing the same work per step (``global_batch`` sequences).
+
+    Degrees run over divisors: tp within a node, cp up to 16, pp up to 64; expert
+    parallelism folds into each stage's tp·cp·dp GPUs (whole experts, ``etp = 1``) with
+    its all-to-alls overlapped with other micro-batches; sequence parallelism whenever
+    tp > 1; ZeRO-1 (the distributed optimizer) always; recomputation none or full (with the
+    fused attention the planner assumes, selective recomputation keeps the same tensors);
+    2 virtual stages per GPU where the layers allow.
+    """
+    n = cluster.gpus if gpus is None else _whole(gpus, "gpus")
     divisors = [d for d in range(1, n + 1) if n % d == 0]
+    c = dataclasses.replace(cluster, gpus=n)
     found = []
     for tp in [d for d in divisors if d <= cluster.gpus_per_node]:
-        for cp in divisors:
-            for pp in divisors:
+        for cp in [d for d in divisors if d <= 16]:
+            for pp in [d for d in divisors if d <= min(64, model.layers)]:
                 if n % (tp * cp * pp):
                     continue
                 dp = n // (tp * cp * pp)
-                for ep in ([e for e in divisors if (dp * cp) % e == 0] if model.is_moe else [1]):
-                    for recompute in ("none", "full"):       # fused attention: "selective" saves nothing more
+                for ep in ([e for e in divisors if (tp * cp * dp) % e == 0] if model.is_moe else [1]):
+                    for recompute in ("none", "full"):
                         kw = dict(tp=tp, sp=tp > 1, cp=cp, ep=ep, pp=pp, dp=dp, micro_batch=micro_batch,
-                                  seq_len=seq_len, recompute=recompute, zero=1, global_batch=global_batch)
+                                  seq_len=seq_len, recompute=recompute, zero=1, global_batch=global_batch,
+                                  vpp=2 if pp > 1 and model.layers % (2 * pp) == 0 else 1)
                         try:
-                            pl = plan(model, cluster, **kw)
+                            pl = plan(model, c, efficiency=efficiency, ep_overlap=True, **kw)
                         except ValueError:
                             continue
                         if pl.fits:
                             found.append((kw, pl))
     found.sort(key=lambda item: item[1].time["total"])
     return found
+
+
+# ---------------------------------------------------------------------------- the published record
+
+@dataclass(frozen=True)
+class Run:
+    """One published training run: what it was, what was measured, and how the planner uses it.
+
+    ``layout`` holds :func:`plan`'s arguments. ``metric`` is ``"MFU"`` or ``"HFU"`` (the paper's
+    own count: Narayanan et al. report FLOP/s that count full recomputation). ``role`` is ``"fit"``
+    (the kernel curve passes through it) or ``"test"`` (held out). ``assumed`` names what the
+    source does not state and the planner takes.
+    """
+
+    name: str
+    source: str
+    model: Model
+    cluster: Cluster
+    layout: dict
+    published: float
+    metric: str
+    role: str
+    assumed: str = ""
+
+    def plan(self, efficiency=None) -> Plan:
+        return plan(self.model, self.cluster, efficiency=efficiency, **self.layout)
+
+    def predicted(self, efficiency=None) -> float:
+        pl = self.plan(efficiency)
+        return pl.mfu if self.metric == "MFU" else pl.hfu
+
+    def residual(self, efficiency=None) -> float:
+        """Predicted over published, minus one."""
+        return self.predicted(efficiency) / self.published - 1
+
+
+def _gpt(name: str, heads: int, hidden: int, layers: int, vocab: int = 51200) -> Model:
+    """A GPT model of the Megatron-LM papers: multi-head attention, an MLP of 4h, dropout."""
+    return Model(name, layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden, vocab=vocab)
+
+
+def _cluster(name: str, gpus: int) -> Cluster:
+    return dataclasses.replace(CLUSTERS[name], gpus=gpus)
+
+
+def _korthikanti() -> list[Run]:
+    """Korthikanti et al. 2022, Tables 3 and 5: t = 8, s = 2048, v = 51200, A100 80 GB, no data
+    parallelism; interleaving with 3 stages for 175B and 530B (§6). "Present work" is sequence
+    parallelism with selective recomputation; "full recompute" is without sequence parallelism, its
+    MFU the present work's scaled by the two iteration times of Table 5."""
+    runs = []
+    common = dict(tp=8, dp=1, seq_len=2048, fused=False, tp_overlap="backward", dp_overlap=False)
+    table = (("22B", 64, 6144, 48, 1, 1, 4, 4, 0.415, 1.42, 1.10), ("175B", 96, 12288, 96, 8, 3, 64, 1, 0.514, 18.13, 13.75),
+             ("530B", 128, 20480, 105, 35, 3, 280, 1, 0.560, 49.05, 37.83),
+             ("1T", 160, 25600, 128, 64, 1, 512, 1, 0.563, 94.42, 71.49))
+    for name, a, h, L, pp, vpp, batch, micro, mfu, t_full, t_ours in table:
+        m = MODELS["GPT-3 175B"] if name == "175B" else _gpt(f"GPT {name}", a, h, L)
+        c = _cluster(_A100, 8 * pp)
+        kw = dict(common, pp=pp, vpp=vpp, micro_batch=micro, global_batch=batch)
+        role = "fit" if name in ("22B", "1T") else "test"
+        runs.append(Run(f"Korthikanti {name}", "korthikanti2022reducing (Tables 3, 5)", m, c,
+                        dict(kw, sp=True, recompute="selective"), mfu, "MFU", role,
+                        "bf16 (fp32 gradient reduction); 1T not interleaved (the paper names 175B and 530B)"))
+        runs.append(Run(f"Korthikanti {name} full recompute", "korthikanti2022reducing (Table 5)", m, c,
+                        dict(kw, sp=False, recompute="full"), round(mfu * t_ours / t_full, 4), "MFU", "test",
+                        "MFU from the iteration times of Table 5"))
+    m = _gpt("GPT 530B", 128, 20480, 105)
+    runs.append(Run("Korthikanti 530B, dp = 8", "korthikanti2022reducing (§6.3)", m, _cluster(_A100, 2240),
+                    dict(common, pp=35, vpp=3, dp=8, micro_batch=1, global_batch=2240, sp=True,
+                         recompute="selective"), 0.542, "MFU", "test",
+                    "batch per replica as in Table 3; gradient all-reduce not overlapped (§6.3)"))
+    return runs
+
+
+def _narayanan() -> list[Run]:
+    """Narayanan et al. 2021, Table 1, the rows without pipeline parallelism: A100 80 GB, s = 2048,
+    V = 51200, full recomputation; "% of peak" counts the recomputed forward (their eq. 3)."""
+    runs = []
+    for name, a, h, L, t, gpus, batch, tflops in (("1.7B", 24, 2304, 24, 1, 32, 512, 137),
+                                                   ("3.6B", 32, 3072, 30, 2, 64, 512, 138),
+                                                   ("7.5B", 32, 4096, 36, 4, 128, 512, 142),
+                                                   ("18.4B", 48, 6144, 40, 8, 256, 1024, 135)):
+        runs.append(Run(f"Narayanan {name}", "narayanan2021efficient (Table 1)", _gpt(f"GPT {name}", a, h, L),
+                        _cluster(_A100, gpus), dict(tp=t, dp=gpus // t, global_batch=batch, seq_len=2048,
+                                                    recompute="full", fused=False, tp_overlap="none",
+                                                    dp_overlap=False, grad_bytes=2),
+                        tflops * 1e12 / CLUSTERS[_A100].peak, "HFU", "test",
+                        "fp16 gradients all-reduced in fp16 and nothing overlapped (Megatron-LM's defaults in 2021); "
+                        "micro-batch 1"))
+    return runs
+
+
+def _megatron_core() -> list[Run]:
+    """Megatron-LM README (Megatron-Core r0.8.0, H100, 2024): GPT models, s = 4096, V = 131072,
+    TP, DP (and PP) communication overlapped (--tp-comm-overlap, --overlap-grad-reduce,
+    --overlap-param-gather), MFU from the per-GPU TFLOP/s against 989 TFLOP/s."""
+    runs = []
+    table = (("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8), ("7.1B", 32, 4096, 30, 2, 1, 96, 192, 465.9),
+             ("16B", 48, 6144, 32, 4, 1, 192, 192, 489.1), ("32B", 56, 7168, 48, 8, 1, 384, 192, 459.6),
+             ("70B", 64, 8192, 84, 8, 2, 768, 384, 419.7), ("119B", 80, 10240, 92, 8, 4, 1536, 768, 420.5),
+             ("177B", 96, 12288, 96, 8, 6, 2304, 1152, 432.8), ("314B", 128, 16384, 96, 8, 8, 3072, 1536, 474.4),
+             ("462B", 144, 18432, 112, 8, 16, 6144, 3072, 459.9))
+    for name, a, h, L, t, pp, gpus, batch, tflops in table:
+        runs.append(Run(f"Megatron-Core {name}", "megatronreadme2024", _gpt(f"GPT {name}", a, h, L, 131072),
+                        _cluster(_H100, gpus), dict(tp=t, sp=t > 1, pp=pp, dp=48, global_batch=batch, seq_len=4096,
+                                                    zero=1, tp_overlap="all", dp_overlap=True),
+                        tflops * 1e12 / H100_BF16_PEAK, "MFU", "fit" if name == "7.1B" else "bracket",
+                        "micro-batch 1, no interleaving, no recomputation, sequence parallelism with t > 1 "
+                        "(the README gives none of them)"))
+    return runs
+
+
+def deepseek_v3_mfu(gpu_hours_per_trillion: float = 180e3, seq_len: int = 4096) -> float:
+    """DeepSeek-V3's MFU as its report lets one compute it: 180K H800 GPU-hours per trillion
+    tokens (§1, pre-training), model FLOPs per token as :func:`flops_per_token` counts them
+    (without the multi-token-prediction module), over the dense bf16 peak."""
+    tokens_per_gpu_second = 1e12 / (gpu_hours_per_trillion * 3600)
+    return flops_per_token(MODELS["DeepSeek-V3"], seq_len)["model"] * tokens_per_gpu_second / CLUSTERS[_H800].peak
+
+
+def _llama_and_deepseek() -> list[Run]:
+    llama = MODELS["Llama 3 405B"]
+    common = dict(tp=8, sp=True, pp=16, vpp=8, pp_layout="ends", zero=1, dp_overlap=True, cp_method="allgather")
+    note = ("8 virtual stages of one layer (126 layers, embedding and head in place of a layer: §3.3.2), micro-batch "
+            "1, fp32 gradients, sequence parallelism")
+    runs = []
+    for gpus, cp, dp, seq, tflops, role in ((8192, 1, 64, 8192, 430, "fit"), (16384, 1, 128, 8192, 400, "test"),
+                                             (16384, 16, 8, 131072, 380, "test")):
+        runs.append(Run(f"Llama 3 405B, {gpus:,} GPUs, {seq // 1024}K", "llama3 (Table 4)", llama,
+                        _cluster(_H100, gpus), dict(common, cp=cp, dp=dp, seq_len=seq, global_batch=2 ** 24 // seq),
+                        tflops * 1e12 / H100_BF16_PEAK, "MFU", role, note))
+    runs.append(Run("DeepSeek-V3, 2,048 H800", "deepseekv3 (§1, §3)", MODELS["DeepSeek-V3"], CLUSTERS[_H800],
+                    dict(tp=1, pp=16, ep=64, dp=128, seq_len=4096, global_batch=15360, schedule="dualpipe", fp8=True,
+                         dedup=True, node_limit=4, ep_overlap=True, comm_sms=20, zero=1, optimizer_bytes=8,
+                         recompute_modules=("layernorm", "mla_up_proj", "moe_act"), pp_layout="ends"),
+                    deepseek_v3_mfu(), "MFU", "test",
+                    "MFU derived from GPU-hours; micro-batch 1; stages balanced with the embedding and head in a "
+                    "layer's place; the MTP module not modelled"))
+    return runs
+
+
+#: Published runs with their layouts complete enough to predict (Korthikanti et al., Narayanan et
+#: al., Megatron-Core 7.1B, Llama 3, DeepSeek-V3), and the Megatron-Core README's runs whose
+#: micro-batch and interleaving are unpublished (``role="bracket"``: see :func:`bracket`).
+RECORD = tuple(_korthikanti() + _narayanan() + _megatron_core() + _llama_and_deepseek())
+
+
+def calibrate(generation: str, record=RECORD) -> KernelCurve:
+    """The kernel curve through the two ``fit`` runs of ``generation``: both predicted exactly.
+
+    For each ``n_half`` the run at the larger size fixes ``eta_max`` (MFU rises with it);
+    bisection on ``n_half`` then makes the other run agree too. Deterministic; ~2,000 plans.
+    """
+    runs = [r for r in record if r.role == "fit" and r.cluster.generation == generation]
+    if len(runs) != 2:
+        raise ValueError(f"calibrate needs exactly two fit runs for {generation}, found {len(runs)}")
+    big, small = sorted(runs, key=lambda r: -gemm_size(r.model, r.layout.get("tp", 1)))
+
+    def eta_for(n_half: float) -> float:
+        lo, hi = 0.05, 3.0
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            if big.residual(KernelCurve(mid, n_half)) > 0:
+                hi = mid
+            else:
+                lo = mid
+        return (lo + hi) / 2
+
+    def miss(n_half: float) -> float:
+        return small.residual(KernelCurve(eta_for(n_half), n_half))
+
+    lo, hi = 0.0, 50000.0
+    if miss(lo) <= 0:                                   # even a flat curve predicts the small run too low
+        n_half = lo
+    else:
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            if miss(mid) > 0:
+                lo = mid
+            else:
+                hi = mid
+        n_half = (lo + hi) / 2
+    return KernelCurve(round(eta_for(n_half), 4), round(n_half, 1), (big.name, small.name))
+
+
+def bracket(run: Run) -> tuple[tuple[float, dict], tuple[float, dict]]:
+    """The lowest and highest prediction over what a run's source leaves open: the micro-batch
+    (a divisor of the sequences per replica), the virtual stages (a divisor of the layers per
+    stage) and selective or no recomputation, among the layouts that fit memory."""
+    per_replica = run.layout["global_batch"] // run.layout["dp"]
+    pp = run.layout.get("pp", 1)
+    per_stage = run.model.layers // pp
+    found = []
+    for micro in [d for d in range(1, per_replica + 1) if per_replica % d == 0]:
+        for vpp in ([v for v in range(1, per_stage + 1) if per_stage % v == 0] if pp > 1 else [1]):
+            for recompute in ("none", "selective"):
+                kw = dict(run.layout, micro_batch=micro, vpp=vpp, recompute=recompute)
+                try:
+                    pl = plan(run.model, run.cluster, **kw)
+                except ValueError:
+                    continue
+                if pl.fits:
+                    found.append((pl.mfu if run.metric == "MFU" else pl.hfu,
+                                  dict(micro_batch=micro, vpp=vpp, recompute=recompute)))
+    if not found:
+        raise ValueError(f"no layout of {run.name} fits memory")
+    return min(found, key=lambda f: f[0]), max(found, key=lambda f: f[0])
