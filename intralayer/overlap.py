@@ -1,65 +1,95 @@
 """Overlapping tensor-parallel communication with computation (chapter 07).
 
 With sequence parallelism (chapter 03) a column-parallel layer's input arrives by
-all-gather and a row-parallel layer's output leaves by reduce-scatter. Both can be cut
-into chunks so that the collective of one chunk runs while another chunk multiplies
-("collective matmul", Wang et al. 2023):
+all-gather and a row-parallel layer's output leaves by reduce-scatter. Both can be
+decomposed so that a transfer runs while a matrix product that does not need it computes:
 
-- :func:`allgather_matmul` ≡ ``F.linear(all_gather(x_shard, dim), weight)``: chunk i+1's
-  all-gather is in flight while chunk i's rows are multiplied.
-- :func:`matmul_reduce_scatter` ≡ ``reduce_scatter(F.linear(x, weight), dim)``: chunk i's
-  partial products are reduce-scattered while chunk i+1 is computed.
+- :func:`allgather_matmul` ≡ ``F.linear(all_gather(x_shard, dim), weight)``;
+- :func:`matmul_reduce_scatter` ≡ ``reduce_scatter(F.linear(x, weight), dim)``.
 
-Each is the other's backward, so both are differentiable with the same overlap in the
+Each is the other's backward, so both are differentiable with the same schedule in the
 backward pass; a weight's gradient is this rank's own (no reduction across the group).
-``with timeline() as events:`` records when each piece of compute and communication
-started and ended on this rank, for the chapter's Gantt charts; :func:`model_times` is
-the cost model of sequential and overlapped execution.
+
+``schedule`` chooses how (every one gives the unfused result, forward and backward):
+
+- ``"ring"`` (the default): Wang et al.'s decomposition (ASPLOS 2023). The all-gather
+  becomes P−1 point-to-point steps round a ring: a rank multiplies the shard it holds
+  while it passes that shard on and receives the next, starting with its own shard, so
+  no transfer is exposed when each multiply lasts as long as a transfer. The
+  reduce-scatter side passes partial sums round the ring: a rank computes its partial
+  product for the next destination while the running sum travels.
+- ``"bidirectional"``: the same with shards (and partial sums) travelling both ways
+  round the ring at once, ⌊P/2⌋ steps instead of P−1, both directions of each link busy.
+- ``"chunked"``: the input cut into ``chunks`` pieces, one collective (all-gather or
+  reduce-scatter) per piece, the next piece's collective in flight while this piece
+  multiplies. The first piece's collective is always exposed.
+- ``"sequential"``: the same pieces, each collective waited for before its multiply
+  (with ``chunks=1``: the unfused collective then the matmul, the baseline).
+
+For the ring schedules ``chunks`` cuts each shard into pieces that travel as separate
+messages (a piece is multiplied as soon as it arrives); ``chunks=1`` sends each shard
+whole, one message per step.
+
+Every send goes through :mod:`comm` (its ``accounting`` counts the bytes). Compute and
+waits are named ``torch.profiler.record_function`` ranges ("compute: …", "wait: …"),
+so a ``torch.profiler`` trace shows them beside the backend's own communication ranges;
+:func:`trace_timeline` reads such a trace back. :func:`model_times` is the cost model,
+with the share of the GPU a communication kernel takes while it runs.
 """
 from __future__ import annotations
 
+import json
 import numbers
-import time
-from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from . import comm
+from .collectives import collective_time
 from .rules import check_group_device as _check_group_device, check_like as _check_like, \
     check_tensor as _check_tensor
 
-# ---------------------------------------------------------------------------- timeline
-
-_timelines: list[tuple[list, float]] = []      # (events, the block's start)
+SCHEDULES = ("ring", "bidirectional", "chunked", "sequential")
 
 
-@contextmanager
-def timeline():
-    """Record ``(kind, label, start, end)`` events (seconds from the block's start) on this rank."""
-    entry = ([], time.perf_counter())
-    _timelines.append(entry)
-    try:
-        yield entry[0]
-    finally:
-        _timelines.remove(entry)
+# ---------------------------------------------------------------------------- the ring's plan
+
+def ring_reach(P: int, bidirectional: bool) -> tuple[int, int]:
+    """How far shards travel each way round a ring of ``P`` ranks: ``(forward, backward)``.
+
+    Forward is towards rank r+1, backward towards r−1; together they cover the P−1 other
+    ranks. One-way: ``(P−1, 0)``. Both ways: ``(⌈(P−1)/2⌉, ⌊(P−1)/2⌋)``, so the ring takes
+    ⌈(P−1)/2⌉ = ⌊P/2⌋ steps instead of P−1.
+    """
+    if not isinstance(P, numbers.Integral) or isinstance(P, bool) or P < 1:
+        raise ValueError(f"the ring needs a whole number of ranks P ≥ 1, got {P!r}")
+    if not bidirectional:
+        return P - 1, 0
+    return P // 2, (P - 1) // 2
 
 
-def _event(kind: str, label: str, start: float) -> None:
-    if _timelines:
-        now = time.perf_counter()
-        for events, t0 in _timelines:
-            events.append((kind, label, start - t0, now - t0))
+def ring_order(P: int, r: int, bidirectional: bool = False) -> list[list[int]]:
+    """The shards rank ``r`` multiplies at each step of the ring all-gather matmul.
 
-
-def _now() -> float:
-    return time.perf_counter()
+    Step 0 is its own shard; at step s it holds the shard of rank r−s (arrived from r−1)
+    and, both ways, also that of rank r+s (arrived from r+1) while the other direction
+    still has that far to go.
+    """
+    forward, backward = ring_reach(P, bidirectional)
+    if not isinstance(r, numbers.Integral) or not 0 <= r < P:
+        raise ValueError(f"rank r={r!r} must be one of 0..{P - 1}")
+    steps = [[r]]
+    for s in range(1, forward + 1):
+        steps.append([(r - s) % P] + ([(r + s) % P] if s <= backward else []))
+    return steps
 
 
 # ---------------------------------------------------------------------------- checks
 
-def _check(x: torch.Tensor, weight: torch.Tensor, dim: int, chunks: int, who: str, group=None) -> int:
+def _check(x, weight, dim, chunks, schedule, who, group=None) -> int:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1:
         raise ValueError(f"{who}: x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -78,6 +108,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, dim: int, chunks: int, who: st
         raise ValueError(f"{who}: dim={dim} is the feature dimension; gather or scatter tokens or sequence")
     if not isinstance(chunks, numbers.Integral) or isinstance(chunks, bool) or chunks < 1:
         raise ValueError(f"{who}: chunks must be a whole number ≥ 1, got {chunks!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"{who}: schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
     _check_group_device(x, "x", who, group)
     return dim
 
@@ -92,39 +124,134 @@ def _check_mlp(x, fc1, fc2, group) -> None:
     _check_group_device(x, "x", who, group)
 
 
-# ---------------------------------------------------------------------------- forward kernels
-
-def _gather_linear(x_shard, weight, group, chunks, dim, phase, label):
-    """all_gather(x_shard, dim) @ weight.T in chunks; returns (output, gathered input)."""
-    P = dist.get_world_size(group)
-    n = x_shard.shape[dim]
+def _rows_per_chunk(n: int, chunks: int, dim: int, who: str) -> int:
     if n % chunks:
-        raise ValueError(f"allgather_matmul: {n} rows per rank along dim {dim} do not split into {chunks} chunks")
-    c = n // chunks
-    pieces = x_shard.split(c, dim=dim)
+        raise ValueError(f"{who}: {n} rows per rank along dim {dim} do not split into {chunks} chunks")
+    return n // chunks
+
+
+# ---------------------------------------------------------------------------- the ring
+
+def _ring_gather_linear(x_shard, weight, group, chunks, dim, bidirectional, phase, label):
+    """all_gather(x_shard, dim) @ weight.T round a ring; returns (output, gathered input).
+
+    Each piece is passed on as soon as it has arrived, then multiplied while it travels.
+    """
+    P, r = dist.get_world_size(group), dist.get_rank(group)
+    n = x_shard.shape[dim]
+    c = _rows_per_chunk(n, chunks, dim, "allgather_matmul")
     out = x_shard.new_empty((*x_shard.shape[:dim], P * n, *x_shard.shape[dim + 1:-1], weight.shape[0]))
     full = x_shard.new_empty((*x_shard.shape[:dim], P * n, *x_shard.shape[dim + 1:]))
-    start = _now()
-    pending = comm.all_gather_start(pieces[0], dim, group, f"{label} chunk 0", phase)
-    for i in range(chunks):
-        got = pending.wait()[0]                                                 # (…, P·c, …): rank-major
-        _event("comm", f"all-gather {i}", start)
-        if i + 1 < chunks:                                                      # next chunk goes out now
-            start = _now()
-            pending = comm.all_gather_start(pieces[i + 1], dim, group, f"{label} chunk {i + 1}", phase)
-        t = _now()
-        y = F.linear(got, weight)                                               # (…, P·c, …, out)
-        for j, (yj, xj) in enumerate(zip(y.split(c, dim=dim), got.split(c, dim=dim))):
-            rows = slice(j * n + i * c, j * n + (i + 1) * c)                   # rank j's chunk i
-            out.narrow(dim, rows.start, c).copy_(yj)
-            full.narrow(dim, rows.start, c).copy_(xj)
-        _event("compute", f"matmul {i}", t)
+    reach = dict(zip((1, -1), ring_reach(P, bidirectional)))       # direction → steps it travels
+    pending = {}
+
+    def send_on(d, j, piece, s):
+        pending[d, j] = comm.ring_exchange_start([piece], d, group, f"{label} step {s + 1} piece {j}", phase)
+
+    def multiply(origin, j, piece, s, came=""):
+        with record_function(f"compute: {label} step {s} piece {j}{came}"):
+            rows = origin * n + j * c                                           # rank `origin`'s piece j
+            out.narrow(dim, rows, c).copy_(F.linear(piece, weight))            # (…, c, …, out)
+            full.narrow(dim, rows, c).copy_(piece)
+
+    for j, piece in enumerate(x_shard.split(c, dim=dim)):                      # step 0: my own shard
+        for d in (1, -1):
+            if reach[d]:
+                send_on(d, j, piece.contiguous(), 0)
+        multiply(r, j, piece, 0)
+    for s in range(1, reach[1] + 1):
+        for j in range(chunks):
+            for d in (1, -1):
+                if s > reach[d]:
+                    continue
+                came = f" from r{'-' if d == 1 else '+'}1"                      # which neighbour sent it
+                with record_function(f"wait: {label} step {s} piece {j}{came}"):
+                    piece = pending.pop((d, j)).wait()[0]
+                if s < reach[d]:
+                    send_on(d, j, piece, s)                                     # pass it on first
+                multiply((r - d * s) % P, j, piece, s, came)
     return out, full
 
 
-def _linear_scatter(x, weight, group, chunks, dim, phase, label):
-    """reduce_scatter(x @ weight.T, dim) in chunks: chunk i is reduced while chunk i+1 computes."""
+def _ring_linear_scatter(x, weight, group, chunks, dim, bidirectional, phase, label):
+    """reduce_scatter(x @ weight.T, dim) round a ring: partial sums travel, each rank adds its own.
+
+    The sum for destination rank q travels forward from rank q − reach and (both ways)
+    backward from q + reach; at each step a rank computes its partial product for the sum
+    it will receive next, then waits for that sum, adds, and passes it on.
+    """
     P, r = dist.get_world_size(group), dist.get_rank(group)
+    total = x.shape[dim]
+    if total % P:
+        raise ValueError(f"matmul_reduce_scatter: {total} rows along dim {dim} do not split into "
+                         f"{P} ranks × {chunks} chunks")
+    n = total // P
+    if n % chunks:
+        raise ValueError(f"matmul_reduce_scatter: {total} rows along dim {dim} do not split into "
+                         f"{P} ranks × {chunks} chunks")
+    c = n // chunks
+    reach = dict(zip((1, -1), ring_reach(P, bidirectional)))
+    steps = reach[1]
+    pending, result = {}, [None] * chunks
+
+    def partial(dest, j, s, way=""):
+        with record_function(f"compute: {label} step {s} piece {j}{way}"):
+            return F.linear(x.narrow(dim, dest * n + j * c, c), weight)       # (…, c, …, out)
+
+    def arrived(d, j, s):
+        with record_function(f"wait: {label} step {s} piece {j} from r{'-' if d == 1 else '+'}1"):
+            return pending.pop((d, j)).wait()[0]
+
+    for s in range(steps + 1):
+        left = steps - s                                                        # how far the sums still go
+        for j in range(chunks):
+            if left == 0:                                                       # my own rows: the last step
+                acc = partial(r, j, s)
+                for d in (1, -1):
+                    if reach[d]:
+                        acc = acc + arrived(d, j, s)
+                result[j] = acc
+                continue
+            for d in (1, -1):
+                if left > reach[d]:
+                    continue                                                    # this direction starts later
+                acc = partial((r + d * left) % P, j, s, f" to r{'+' if d == 1 else '-'}1")
+                if left < reach[d]:
+                    acc = acc + arrived(d, j, s)
+                pending[d, j] = comm.ring_exchange_start([acc], d, group, f"{label} step {s + 1} piece {j}", phase)
+    return torch.cat(result, dim=dim)                                           # (…, n, …, out)
+
+
+# ---------------------------------------------------------------------------- chunked collectives
+
+def _chunked_gather_linear(x_shard, weight, group, chunks, dim, overlap, phase, label):
+    """all_gather(x_shard, dim) @ weight.T, one all-gather per chunk; returns (output, gathered input)."""
+    P = dist.get_world_size(group)
+    n = x_shard.shape[dim]
+    c = _rows_per_chunk(n, chunks, dim, "allgather_matmul")
+    pieces = x_shard.split(c, dim=dim)
+    out = x_shard.new_empty((*x_shard.shape[:dim], P * n, *x_shard.shape[dim + 1:-1], weight.shape[0]))
+    full = x_shard.new_empty((*x_shard.shape[:dim], P * n, *x_shard.shape[dim + 1:]))
+    pending = comm.all_gather_start(pieces[0], dim, group, f"{label} chunk 0", phase)
+    for i in range(chunks):
+        with record_function(f"wait: {label} chunk {i}"):
+            got = pending.wait()[0]                                             # (…, P·c, …): rank-major
+        if i + 1 < chunks and overlap:                                          # the next one travels meanwhile
+            pending = comm.all_gather_start(pieces[i + 1], dim, group, f"{label} chunk {i + 1}", phase)
+        with record_function(f"compute: {label} chunk {i}"):
+            y = F.linear(got, weight)                                           # (…, P·c, …, out)
+            for j, (yj, xj) in enumerate(zip(y.split(c, dim=dim), got.split(c, dim=dim))):
+                rows = j * n + i * c                                            # rank j's chunk i
+                out.narrow(dim, rows, c).copy_(yj)
+                full.narrow(dim, rows, c).copy_(xj)
+        if i + 1 < chunks and not overlap:                                      # only now the next one
+            pending = comm.all_gather_start(pieces[i + 1], dim, group, f"{label} chunk {i + 1}", phase)
+    return out, full
+
+
+def _chunked_linear_scatter(x, weight, group, chunks, dim, overlap, phase, label):
+    """reduce_scatter(x @ weight.T, dim), one reduce-scatter per chunk."""
+    P = dist.get_world_size(group)
     total = x.shape[dim]
     if total % (P * chunks):
         raise ValueError(f"matmul_reduce_scatter: {total} rows along dim {dim} do not split into "
@@ -134,113 +261,295 @@ def _linear_scatter(x, weight, group, chunks, dim, phase, label):
     blocks = x.split(n, dim=dim)                                                # P destination blocks
     outs, pending = [], None
     for i in range(chunks):
-        t = _now()
-        part = torch.cat([F.linear(b.narrow(dim, i * c, c), weight) for b in blocks], dim=dim)  # (…, P·c, …)
-        _event("compute", f"matmul {i}", t)
+        with record_function(f"compute: {label} chunk {i}"):
+            part = torch.cat([F.linear(b.narrow(dim, i * c, c), weight) for b in blocks], dim=dim)  # (…, P·c, …)
         if pending is not None:
-            outs.append(pending[0].wait()[0])
-            _event("comm", f"reduce-scatter {i - 1}", pending[1])
-        pending = (comm.reduce_scatter_start(part, dim, group, f"{label} chunk {i}", phase), _now())
-    outs.append(pending[0].wait()[0])
-    _event("comm", f"reduce-scatter {chunks - 1}", pending[1])
+            with record_function(f"wait: {label} chunk {i - 1}"):
+                outs.append(pending.wait()[0])
+        pending = comm.reduce_scatter_start(part, dim, group, f"{label} chunk {i}", phase)
+        if not overlap:
+            with record_function(f"wait: {label} chunk {i}"):
+                outs.append(pending.wait()[0])
+            pending = None
+    if pending is not None:
+        with record_function(f"wait: {label} chunk {chunks - 1}"):
+            outs.append(pending.wait()[0])
     return torch.cat(outs, dim=dim)                                             # (…, n, …, out)
+
+
+def _gather_linear(x_shard, weight, group, chunks, dim, schedule, phase, label):
+    if schedule in ("ring", "bidirectional"):
+        return _ring_gather_linear(x_shard, weight, group, chunks, dim, schedule == "bidirectional", phase, label)
+    return _chunked_gather_linear(x_shard, weight, group, chunks, dim, schedule == "chunked", phase, label)
+
+
+def _linear_scatter(x, weight, group, chunks, dim, schedule, phase, label):
+    if schedule in ("ring", "bidirectional"):
+        return _ring_linear_scatter(x, weight, group, chunks, dim, schedule == "bidirectional", phase, label)
+    return _chunked_linear_scatter(x, weight, group, chunks, dim, schedule == "chunked", phase, label)
 
 
 # ---------------------------------------------------------------------------- autograd
 
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_shard, weight, group, chunks, dim):
-        out, full = _gather_linear(x_shard, weight, group, chunks, dim, "forward", "ag-matmul")
+    def forward(ctx, x_shard, weight, group, chunks, dim, schedule):
+        out, full = _gather_linear(x_shard, weight, group, chunks, dim, schedule, "forward", "ag-matmul")
         ctx.save_for_backward(full, weight)
-        ctx.group, ctx.chunks, ctx.dim = group, chunks, dim
+        ctx.group, ctx.chunks, ctx.dim, ctx.schedule = group, chunks, dim, schedule
         return out
 
     @staticmethod
     def backward(ctx, grad):
         full, weight = ctx.saved_tensors
-        # dX: reduce-scatter of grad @ W, overlapped the same way (weight.T: out → in)
-        dx = _linear_scatter(grad.contiguous(), weight.t(), ctx.group, ctx.chunks, ctx.dim, "backward", "ag-matmul dX")
-        dw = grad.reshape(-1, grad.shape[-1]).T @ full.reshape(-1, full.shape[-1])   # this rank's own
-        return dx, dw, None, None, None
+        # dX: a reduce-scatter of grad @ W, on the same schedule (weight.T: out → in)
+        dx = _linear_scatter(grad.contiguous(), weight.t(), ctx.group, ctx.chunks, ctx.dim, ctx.schedule,
+                             "backward", "ag-matmul dX")
+        with record_function("compute: ag-matmul dW"):
+            dw = grad.reshape(-1, grad.shape[-1]).T @ full.reshape(-1, full.shape[-1])   # this rank's own
+        return dx, dw, None, None, None, None
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, group, chunks, dim):
+    def forward(ctx, x, weight, group, chunks, dim, schedule):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.chunks, ctx.dim = group, chunks, dim
-        return _linear_scatter(x, weight, group, chunks, dim, "forward", "matmul-rs")
+        ctx.group, ctx.chunks, ctx.dim, ctx.schedule = group, chunks, dim, schedule
+        return _linear_scatter(x, weight, group, chunks, dim, schedule, "forward", "matmul-rs")
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        # dX: all-gather of the gradient, multiplied chunk by chunk (weight.T: out → in)
-        dx, full_grad = _gather_linear(grad.contiguous(), weight.t(), ctx.group, ctx.chunks, ctx.dim, "backward",
-                                       "matmul-rs dX")
-        dw = full_grad.reshape(-1, full_grad.shape[-1]).T @ x.reshape(-1, x.shape[-1])
-        return dx, dw, None, None, None
+        # dX: an all-gather of the gradient, multiplied as it arrives (weight.T: out → in)
+        dx, full_grad = _gather_linear(grad.contiguous(), weight.t(), ctx.group, ctx.chunks, ctx.dim,
+                                       ctx.schedule, "backward", "matmul-rs dX")
+        with record_function("compute: matmul-rs dW"):
+            dw = full_grad.reshape(-1, full_grad.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+        return dx, dw, None, None, None, None
 
 
-def allgather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, group, chunks: int, dim: int = 0) -> torch.Tensor:
-    """``F.linear(all_gather(x_shard, dim), weight)`` with the all-gather cut into ``chunks``
-    pieces, each multiplied as soon as it arrives while the next is in flight."""
-    dim = _check(x_shard, weight, dim, chunks, "allgather_matmul", group)
-    return _AllGatherMatmul.apply(x_shard, weight, group, int(chunks), dim)
+def allgather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, group, chunks: int, dim: int = 0,
+                     schedule: str = "ring") -> torch.Tensor:
+    """``F.linear(all_gather(x_shard, dim), weight)`` with the all-gather decomposed so that
+    transfers run while shards already here multiply (``schedule``: see the module docstring)."""
+    dim = _check(x_shard, weight, dim, chunks, schedule, "allgather_matmul", group)
+    return _AllGatherMatmul.apply(x_shard, weight, group, int(chunks), dim, schedule)
 
 
-def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, chunks: int, dim: int = 0) -> torch.Tensor:
-    """``reduce_scatter(F.linear(x, weight), dim)`` computed in ``chunks`` pieces, each
-    reduce-scattered while the next one is computed."""
-    dim = _check(x, weight, dim, chunks, "matmul_reduce_scatter", group)
-    return _MatmulReduceScatter.apply(x, weight, group, int(chunks), dim)
+def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, chunks: int, dim: int = 0,
+                          schedule: str = "ring") -> torch.Tensor:
+    """``reduce_scatter(F.linear(x, weight), dim)`` with the reduce-scatter decomposed so that
+    partial sums travel while the next partial products compute (``schedule``: see the module docstring)."""
+    dim = _check(x, weight, dim, chunks, schedule, "matmul_reduce_scatter", group)
+    return _MatmulReduceScatter.apply(x, weight, group, int(chunks), dim, schedule)
 
 
 # ---------------------------------------------------------------------------- two micro-batches
 
+class _MLPMicrobatches(torch.autograd.Function):
+    """Megatron's tensor-parallel MLP, f → fc1 → GELU → fc2 → g, on micro-batches along dim 0.
+
+    Forward: each micro-batch's partial sum is all-reduced (g); overlapped, the all-reduce
+    is left in flight while the next micro-batch multiplies. Backward: the output gradient
+    is the same on every rank (g's backward is the identity); each micro-batch's input
+    gradient is all-reduced (f's backward), in flight while the next micro-batch's
+    backward computes. Weight gradients are this rank's own.
+    """
+
+    @staticmethod
+    def forward(ctx, x, fc1, fc2, group, overlap, micro_batches):
+        outs, pending, hidden = [], [], []
+        for i, mb in enumerate(x.chunk(micro_batches)):
+            with record_function(f"compute: MLP forward {i}"):
+                h1 = F.linear(mb, fc1)                                          # (mb, …, ffn/t)
+                partial = F.linear(F.gelu(h1), fc2)                            # (mb, …, h): this rank's share
+            hidden.append(h1)
+            pending.append(comm.all_reduce_start(partial, group, f"mb {i}", "forward"))
+            if not overlap:
+                with record_function(f"wait: MLP forward {i}"):
+                    outs.append(pending.pop().wait()[0])
+        for i, p in enumerate(pending):
+            with record_function(f"wait: MLP forward {i}"):
+                outs.append(p.wait()[0])
+        ctx.save_for_backward(x, fc1, fc2, torch.cat(hidden))
+        ctx.group, ctx.overlap, ctx.micro_batches = group, overlap, micro_batches
+        return torch.cat(outs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, fc1, fc2, h1 = ctx.saved_tensors
+        d_fc1, d_fc2 = torch.zeros_like(fc1), torch.zeros_like(fc2)
+        want_dx = ctx.needs_input_grad[0]
+        dxs, pending = [None] * ctx.micro_batches, []
+        pieces = list(zip(x.chunk(ctx.micro_batches), h1.chunk(ctx.micro_batches), grad.chunk(ctx.micro_batches)))
+        for i in reversed(range(ctx.micro_batches)):
+            mb, h, dy = pieces[i]
+            with record_function(f"compute: MLP backward {i}"):
+                with torch.enable_grad():
+                    leaf = h.detach().requires_grad_()
+                    act = F.gelu(leaf)                                          # (mb, …, ffn/t)
+                d_fc2 += dy.reshape(-1, dy.shape[-1]).T @ act.detach().reshape(-1, act.shape[-1])
+                (dh,) = torch.autograd.grad(act, leaf, dy @ fc2)                # through GELU
+                d_fc1 += dh.reshape(-1, dh.shape[-1]).T @ mb.reshape(-1, mb.shape[-1])
+            if want_dx:
+                pending.append((i, comm.all_reduce_start(dh @ fc1, group=ctx.group, label=f"mb {i} dX",
+                                                         phase="backward")))
+                if not ctx.overlap:
+                    with record_function(f"wait: MLP backward {i}"):
+                        dxs[i] = pending.pop()[1].wait()[0]
+        for i, p in pending:
+            with record_function(f"wait: MLP backward {i}"):
+                dxs[i] = p.wait()[0]
+        dx = torch.cat(dxs) if want_dx else None
+        return dx, d_fc1, d_fc2, None, None, None
+
+
 def mlp_microbatches(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, group, overlap: bool,
                      micro_batches: int = 2) -> torch.Tensor:
-    """A tensor-parallel MLP forward (no autograd) on micro-batches along dim 0.
+    """A tensor-parallel MLP on micro-batches along dim 0, forward and backward.
 
     Sequential: each micro-batch multiplies, then all-reduces, then the next starts.
-    Overlapped: a micro-batch's all-reduce is started and left in flight while the next
-    micro-batch multiplies. ``fc1`` is this rank's (ffn/t, h) slice, ``fc2`` its (h, ffn/t).
+    Overlapped: a micro-batch's all-reduce is left in flight while the next micro-batch
+    multiplies, and the same in the backward pass. ``x`` is replicated (every rank the
+    same), ``fc1`` is this rank's (ffn/t, h) slice, ``fc2`` its (h, ffn/t); the output is
+    the replicated sum, as Megatron-LM's f and g make it.
     """
     if not isinstance(micro_batches, numbers.Integral) or isinstance(micro_batches, bool) or micro_batches < 1:
         raise ValueError(f"micro_batches must be a whole number ≥ 1, got {micro_batches!r}")
     _check_mlp(x, fc1, fc2, group)
     if x.shape[0] % micro_batches:
         raise ValueError(f"{x.shape[0]} rows do not split into {micro_batches} micro-batches")
-    outs, pending = [], []
-    with torch.no_grad():
-        for i, mb in enumerate(x.chunk(micro_batches)):
-            t = _now()
-            partial = F.linear(F.gelu(F.linear(mb, fc1)), fc2)                  # this rank's partial sum
-            _event("compute", f"MLP {i}", t)
-            p = (comm.all_reduce_start(partial, group, f"mb {i}"), _now(), i)
-            if overlap:
-                pending.append(p)
-            else:
-                outs.append(p[0].wait()[0])
-                _event("comm", f"all-reduce {i}", p[1])
-        for p, started, i in pending:
-            outs.append(p.wait()[0])
-            _event("comm", f"all-reduce {i}", started)
-    return torch.cat(outs)
+    return _MLPMicrobatches.apply(x, fc1, fc2, group, bool(overlap), int(micro_batches))
+
+
+# ---------------------------------------------------------------------------- reading a trace
+
+#: Names of the communication ranges a ``torch.profiler`` trace holds: gloo's operations
+#: (CPU, recorded by PyTorch's gloo process group) and NCCL's kernels (CUDA activity).
+COMM_PREFIXES = ("gloo:", "nccl:", "ncclDevKernel", "ncclKernel")
+#: The calls that hand an operation to the backend (on the calling thread, when it is posted).
+POST_PREFIX = "c10d::"
+#: The ranges :func:`merge_traces` keeps: this module's, a program's runs, the backend's.
+KEPT_PREFIXES = ("compute: ", "wait: ", "run: ", POST_PREFIX) + COMM_PREFIXES
+
+
+def _load(trace) -> dict:
+    if isinstance(trace, dict):
+        return trace
+    return json.loads(Path(trace).read_text())
+
+
+def _kept(e) -> bool:
+    return e.get("ph") == "X" and "dur" in e and (e["name"].startswith(KEPT_PREFIXES) or e.get("cat") == "kernel")
+
+
+def merge_traces(traces: list) -> dict:
+    """One small Chrome trace from every rank's ``torch.profiler`` trace (paths or dicts, rank order).
+
+    Rank r's events go under process id r, named "rank r"; only the ranges named in
+    :data:`KEPT_PREFIXES` and the GPU's kernels are kept, with their thread, start and
+    duration (no arguments); times are shifted so the earliest kept event starts at 0.
+    Each kind of communication range gets a track of its own ("gloo:send", …): they
+    overlap the compute ranges of the thread that posted them, and Perfetto draws only
+    ranges that nest on one track. The ranks' clocks are taken to be the same clock (true
+    for processes on one machine). It opens in Perfetto (ui.perfetto.dev) or
+    chrome://tracing like the originals.
+    """
+    if not traces:
+        raise ValueError("merge_traces needs at least one trace")
+    kept, tracks = [], {}
+    for rank, trace in enumerate(traces):
+        for e in _load(trace).get("traceEvents", []):
+            if not _kept(e):
+                continue
+            tid = e.get("tid", 0)
+            if e["name"].startswith(COMM_PREFIXES) and e.get("cat") != "kernel":
+                tid = tracks.setdefault((rank, e["name"]), 10_000 + len(tracks))
+            kept.append(dict(ph="X", name=e["name"], cat=e.get("cat", ""), pid=rank, tid=tid,
+                             ts=float(e["ts"]), dur=float(e["dur"])))
+    if not kept:
+        raise ValueError("none of the traces holds a compute, wait, run or communication range")
+    t0 = min(e["ts"] for e in kept)
+    for e in kept:
+        e["ts"] = round(e["ts"] - t0, 3)
+        e["dur"] = round(e["dur"], 3)
+    names = [dict(ph="M", name="process_name", pid=rank, tid=0, args=dict(name=f"rank {rank}"))
+             for rank in range(len(traces))]
+    names += [dict(ph="M", name="thread_name", pid=rank, tid=tid, args=dict(name=f"{name} (posted → waited for)"))
+              for (rank, name), tid in tracks.items()]
+    return dict(traceEvents=names + kept, displayTimeUnit="ms")
+
+
+def trace_timeline(trace, within: str, pid=None) -> list[tuple[str, str, float, float]]:
+    """``(kind, name, start, end)`` in seconds from the start of the range named ``within``.
+
+    ``trace`` is a Chrome trace (``torch.profiler``'s ``export_chrome_trace`` or
+    :func:`merge_traces`: a path or the loaded dict); ``pid`` picks one process (a rank of
+    a merged trace). Kinds: ``"compute"`` and ``"wait"`` for this module's named ranges,
+    ``"comm"`` for the backend's communication (gloo's ranges on the CPU, NCCL's kernels on
+    the GPU's timeline), ``"post"`` for the calls that hand an operation to the backend
+    (``c10d::…``, on the calling thread), ``"kernel"`` for the GPU's other kernels (the
+    matmuls as the GPU ran them), each kept if it starts inside ``within``.
+    """
+    events = [e for e in _load(trace).get("traceEvents", [])
+              if e.get("ph") == "X" and "dur" in e and (pid is None or e.get("pid") == pid)]
+    outer = [e for e in events if e["name"] == within]
+    if len(outer) != 1:
+        where = "" if pid is None else f" in process {pid}"
+        raise ValueError(f"the trace holds {len(outer)} ranges named {within!r}{where}; expected exactly one")
+    t0, t1 = outer[0]["ts"], outer[0]["ts"] + outer[0]["dur"]
+    found = []
+    for e in events:
+        name, start = e["name"], e["ts"]
+        if not t0 <= start <= t1:
+            continue
+        if name.startswith("compute: "):
+            kind = "compute"
+        elif name.startswith("wait: "):
+            kind = "wait"
+        elif name.startswith(COMM_PREFIXES):
+            kind = "comm"
+        elif name.startswith(POST_PREFIX):
+            kind = "post"
+        elif e.get("cat") == "kernel":
+            kind = "kernel"
+        else:
+            continue
+        found.append((kind, name, (start - t0) / 1e6, (start + e["dur"] - t0) / 1e6))
+    return sorted(found, key=lambda e: e[2])
 
 
 # ---------------------------------------------------------------------------- cost model
 
+def _step(transfer: float, compute: float, sm_fraction: float) -> float:
+    """One overlapped step: ``compute`` (seconds at the full rate) runs beside a transfer
+    that holds ``sm_fraction`` of the GPU while it lasts. Done when both are."""
+    return max(transfer, compute + sm_fraction * transfer)
+
+
 def model_times(t: int, h: int, tokens: int, chunks: int, bandwidth: float, flops: float,
-                alpha: float = 5e-6, overhead: float = 5e-6, itemsize: int = 2) -> dict:
+                alpha: float = 5e-6, overhead: float = 5e-6, itemsize: int = 2,
+                sm_fraction: float = 0.0) -> dict:
     """Predicted time of one all-gather + column-parallel matmul ``(tokens, h) → (tokens, 4h/t)``.
 
-    Communication: the all-gather of ``tokens·h`` numbers in ``chunks`` pieces, each
-    ``α + (t−1)/t · tokens·h·e / chunks / B`` (chapter 00's α–β model). Compute: 
-    ``2·tokens·h·4h/t`` FLOPs at ``flops`` FLOP/s, split evenly, each piece paying a fixed
-    ``overhead`` (a kernel launch). Sequential: all communication, then all compute.
-    Overlapped: the first chunk's transfer, then each step the longer of the next
-    transfer and this chunk's compute, then the last compute.
+    Terms: the matmul, ``2·tokens·h·4h/t`` FLOPs at ``flops`` FLOP/s, plus ``overhead`` per
+    kernel; an all-gather of S bytes, chapter 00's ``collective_time`` ((t−1)·α + (t−1)/t·S/B);
+    one ring step, a shard of ``tokens/t·h·e`` bytes point to point, ``α + shard/B``.
+    ``sm_fraction`` (φ) is the share of the GPU's SMs a communication kernel holds while it
+    runs: compute beside it runs at 1 − φ of its rate, so a step that overlaps a transfer m
+    with compute c takes ``max(m, c + φ·m)`` (0 for copy-engine transfers, which leave the
+    SMs alone; contention for memory bandwidth is not modelled).
+
+    ``bandwidth`` is the GPU's one-way bandwidth B, shared by everything it sends at once
+    (a GPU reaches its peers through one set of NVLink ports and a switch, or one NIC).
+
+    Returns seconds for five schedules: ``sequential`` (the all-gather, then one matmul),
+    ``sequential_chunked`` (``chunks`` pieces, each gathered then multiplied),
+    ``chunked`` (the next piece's all-gather beside this piece's matmul: the first
+    all-gather exposed), ``ring`` (t−1 steps, each shard multiplied beside the next
+    transfer, one kernel per shard) and ``bidirectional`` (⌊t/2⌋ steps of up to two shards
+    each way: half the latencies, the same bytes through the same B); and ``compute`` and
+    ``comm``, the sequential run's two parts.
     """
     for value, what in ((t, "t"), (h, "h"), (tokens, "tokens"), (chunks, "chunks")):
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
@@ -249,16 +558,47 @@ def model_times(t: int, h: int, tokens: int, chunks: int, bandwidth: float, flop
         raise ValueError(f"{tokens} tokens do not split into t={t} ranks × {chunks} chunks")
     if not (bandwidth > 0 and flops > 0):
         raise ValueError("bandwidth and FLOP rate must be > 0")
-    if alpha < 0 or overhead < 0:
-        raise ValueError(f"latency α={alpha} and per-chunk overhead {overhead} must be ≥ 0 seconds")
-    if not isinstance(itemsize, numbers.Integral) or itemsize < 1:
+    if not (alpha >= 0 and overhead >= 0):
+        raise ValueError(f"latency α={alpha} and per-kernel overhead {overhead} must be ≥ 0 seconds")
+    if not isinstance(itemsize, numbers.Integral) or isinstance(itemsize, bool) or itemsize < 1:
         raise ValueError(f"itemsize must be a whole number of bytes ≥ 1, got {itemsize!r}")
-    comm_c = (alpha + (t - 1) / t * tokens * h * itemsize / chunks / bandwidth) if t > 1 else 0.0
-    comp_c = 2 * tokens * h * 4 * h / t / flops / chunks + overhead
-    sequential = chunks * comm_c + chunks * comp_c
-    overlapped = comm_c + (chunks - 1) * max(comm_c, comp_c) + comp_c
-    comm_total = chunks * comm_c
-    exposed = overlapped - chunks * comp_c
-    hidden = 0.0 if comm_total == 0 or chunks == 1 else max(0.0, min(1.0, 1 - exposed / comm_total))
-    return dict(sequential=sequential, overlapped=overlapped, compute=chunks * comp_c, comm=comm_total,
-                hidden=hidden)
+    if not 0 <= sm_fraction < 1:
+        raise ValueError(f"sm_fraction={sm_fraction!r} must be in [0, 1): the share of the SMs communication holds")
+    S = tokens * h * itemsize                                                   # the gathered input, bytes
+    matmul = 2 * tokens * h * (4 * h / t) / flops
+    gather = collective_time("all_gather", t, S, bandwidth, alpha)
+
+    piece_comm = collective_time("all_gather", t, S / chunks, bandwidth, alpha)
+    piece_comp = matmul / chunks + overhead
+    chunked = piece_comm + (chunks - 1) * _step(piece_comm, piece_comp, sm_fraction) + piece_comp
+
+    shard_bytes = S / t
+    shard = matmul / t + overhead                                               # one shard's multiply
+    ring = (t - 1) * _step(alpha + shard_bytes / bandwidth, shard, sm_fraction) + shard
+
+    forward, backward = ring_reach(t, True)
+    bidirectional = 0.0
+    for s in range(forward + 1):
+        work = (1 if s == 0 else 1 + (s <= backward)) * shard                   # shards multiplied this step
+        if s < forward:                                                         # shards sent on meanwhile
+            bidirectional += _step(alpha + (1 + (s < backward)) * shard_bytes / bandwidth, work, sm_fraction)
+        else:
+            bidirectional += work
+    return dict(sequential=gather + matmul + overhead,
+                sequential_chunked=chunks * (piece_comm + piece_comp),
+                chunked=chunked, ring=ring, bidirectional=bidirectional,
+                compute=matmul + overhead, comm=gather)
+
+
+def ring_saving(t: int, hop: float, shard: float, overhead: float, sm_fraction: float) -> float:
+    """What the ring saves against the sequential run: ``(t−1)·(min(c, (1−φ)·m) − o)``.
+
+    With m the time of one ring step's transfer (``hop``), c one shard's multiply
+    including its kernel overhead o (``shard``) and φ the communication's share of the SMs:
+    each of the t−1 overlapped steps hides the smaller of the shard's compute and the
+    (1−φ) share of the transfer, and pays one more kernel's overhead. Overlap pays when
+    min(c, (1−φ)·m) > o.
+    """
+    if t < 1 or min(hop, shard, overhead) < 0 or not 0 <= sm_fraction < 1:
+        raise ValueError("ring_saving needs t ≥ 1, times ≥ 0 and 0 ≤ sm_fraction < 1")
+    return (t - 1) * (min(shard, (1 - sm_fraction) * hop) - overhead)
