@@ -52,7 +52,10 @@ training system needs it, and held against published training runs (:data:`RECOR
     1F1B, Narayanan et al. 2021) or DualPipe's ``(pp/2−1)(F&B + B − 3W)`` (DeepSeek-V3);
   * data parallelism: gradient reduce-scatter and parameter all-gather (ZeRO ≥ 1) or an
     all-reduce, overlapped only with the last micro-batch's backward and the first one's
-    forward (``dp_overlap``, Megatron's bucketed overlap) or exposed.
+    forward (``dp_overlap``, Megatron's bucketed overlap) or exposed; ZeRO-2 and ZeRO-3 keep
+    only a shard of the gradients, so every micro-batch reduce-scatters its own (overlapped
+    with the next micro-batch's compute), and ZeRO-3 gathers the weights for every
+    micro-batch's forward and backward pass.
 
 What it leaves out is listed in chapter 08 beside the published runs.
 """
@@ -274,7 +277,8 @@ def flops_per_token(m: Model, seq_len: int, recompute: str = "none", modules=())
     a GPT layer with an MLP of 4h, generalised (6 per active multiply-add parameter; attention's
     two products ``6·s·a·(d_qk + d_v)`` per layer, every key counted). ``hardware``: plus what
     recomputation repeats: the layers' forward pass (full, Narayanan's 96·…) or attention's
-    scores and weighted sum (selective, Korthikanti et al.'s eq. 8).
+    scores and weighted sum, forward (selective, as Korthikanti et al. describe it; their
+    eq. 8 adds three times as much).
     """
     _whole(seq_len, "seq_len")
     if recompute not in RECOMPUTE:
@@ -604,7 +608,7 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
     per_moe = layer_activation_bytes(m, s_loc, micro_batch, tp, sp, recompute, True, fused, fp8, mods) if m.is_moe else 0.0
     stage_acts = first_dense * per_dense + first_moe * per_moe
     if schedule == "dualpipe":
-        in_flight = (pp + 1) * copies / 2          # DeepSeek-V3 Table 2: PP + 1 micro-batches of a rank's two chunks
+        in_flight = (pp + 1) * copies / 2          # DeepSeek-V3 Table 2: PP + 1 micro-batches of a chunk (1F1B: PP)
     elif vpp > 1:                         # Megatron-LM's interleaved warm-up on the first rank, in model chunks
         chunks = min(mb * vpp, 2 * (pp - 1) + (vpp - 1) * group + 1)
         in_flight = chunks / vpp
@@ -759,11 +763,22 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
         rs = bus_factor("all_reduce", replicas) * grads_dense * grad_bytes + \
             bus_factor("all_reduce", edp) * grads_exp * grad_bytes
         ag = 0.0
+    # ZeRO-1 (Megatron's distributed optimizer) keeps a whole gradient buffer and reduces it once, in the
+    # last micro-batch's backward pass. ZeRO-2 and ZeRO-3 keep only their shard of the gradients, so every
+    # micro-batch reduce-scatters what its backward pass produced (Rajbhandari et al. 2020), overlapped
+    # asynchronously with the next micro-batch's compute (as Llama 3's FSDP does), the last one with its own
+    # backward pass; ZeRO-3 also gathers the weights for every micro-batch's forward and backward pass.
+    n_rs = mb if zero >= 2 else 1
+    n_ag = 2 * mb if zero >= 3 else 1
     t_rs, t_ag = rs / bw["dp"], ag / bw["dp"]
     if dp_overlap:
-        dp_time = max(0.0, t_rs - slowest["bwd"]) + max(0.0, t_ag - slowest["fwd"])
+        dp_time = (n_rs - 1) * max(0.0, t_rs - slowest["fwd"] - slowest["bwd"]) + max(0.0, t_rs - slowest["bwd"])
+        if zero >= 3:
+            dp_time += mb * (max(0.0, t_ag - slowest["fwd"]) + max(0.0, t_ag - slowest["bwd"]))
+        else:
+            dp_time += max(0.0, t_ag - slowest["fwd"])
     else:
-        dp_time = t_rs + t_ag
+        dp_time = n_rs * t_rs + n_ag * t_ag
 
     compute = mb * slowest["compute"]
     time = dict(compute=compute, bubble=bubble, **{f"{k} comm": mb * slowest[k] for k in ("tp", "cp", "ep")},
@@ -777,7 +792,7 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
     layers_here = sum(d + x for d, x, _ in stages) / pp
     comm = dict(tp=mb * layers_here * mb_tp, cp=mb * layers_here * mb_cp,
                 ep=mb * max(sum(x for _, x, _ in stages) / pp, 0) * (per[True]["ep"][0] if m.is_moe else 0.0),
-                pp=mb * pp_bytes, dp=rs + ag)
+                pp=mb * pp_bytes, dp=n_rs * rs + n_ag * ag)
     return Plan(memory, comm, crosses, time, flops["model"] / denominator, flops["hardware"] / denominator, gpus,
                 flops, dict(dense=eta_dense, moe=eta_moe if m.is_moe else None, head=eta_head), mb)
 
@@ -912,7 +927,7 @@ def _narayanan() -> list[Run]:
 
 
 def _megatron_core() -> list[Run]:
-    """Megatron-LM README (Megatron-Core r0.8.0, H100, 2024): GPT models, s = 4096, V = 131072,
+    """Megatron-LM README (commit f2e5db40, July 2024; H100): GPT models, s = 4096, V = 131072,
     TP, DP (and PP) communication overlapped (--tp-comm-overlap, --overlap-grad-reduce,
     --overlap-param-gather), MFU from the per-GPU TFLOP/s against 989 TFLOP/s."""
     runs = []
@@ -941,9 +956,10 @@ def deepseek_v3_mfu(gpu_hours_per_trillion: float = 180e3, seq_len: int = 4096) 
 
 def _llama_and_deepseek() -> list[Run]:
     llama = MODELS["Llama 3 405B"]
-    common = dict(tp=8, sp=True, pp=16, vpp=8, pp_layout="ends", zero=1, dp_overlap=True, cp_method="allgather")
+    common = dict(tp=8, sp=True, pp=16, vpp=8, pp_layout="ends", zero=2, dp_overlap=True, cp_method="allgather")
     note = ("8 virtual stages of one layer (126 layers, embedding and head in place of a layer: §3.3.2), micro-batch "
-            "1, fp32 gradients, sequence parallelism")
+            "1, sequence parallelism; fp32 gradients sharded with the optimizer states (ZeRO-2: §3.3.2's FSDP "
+            "shards optimizer states and gradients, not the weights between forward and backward)")
     runs = []
     for gpus, cp, dp, seq, tflops, role in ((8192, 1, 64, 8192, 430, "fit"), (16384, 1, 128, 8192, 400, "test"),
                                              (16384, 16, 8, 131072, 380, "test")):

@@ -391,14 +391,34 @@ def test_deepseek_mfu_is_derived_from_its_gpu_hours():
 
 
 def test_published_layouts_that_trained_fit():
-    runs = {r.name: r for r in P.RECORD}
-    for name in ("Korthikanti 175B", "Korthikanti 530B", "Korthikanti 1T", "DeepSeek-V3, 2,048 H800",
-                 "Llama 3 405B, 16,384 GPUs, 8K", "Llama 3 405B, 16,384 GPUs, 128K"):
-        assert runs[name].plan().fits, name
-    llama = runs["Llama 3 405B, 8,192 GPUs, 8K"]
-    # Megatron's default group of p = 16 micro-batches per virtual stage holds too many; Llama 3 tunes it
-    assert not llama.plan().fits
-    assert P.plan(llama.model, llama.cluster, vpp_group=14, **llama.layout).fits
+    for run in P.RECORD:
+        assert run.plan().fits, run.name
+    # Llama 3's FSDP shards the gradients with the optimizer states (ZeRO-2); with Megatron's whole
+    # fp32 gradient buffer (ZeRO-1) its first stage, at the default G = pp = 16, would not fit
+    llama = {r.name: r for r in P.RECORD}["Llama 3 405B, 8,192 GPUs, 8K"]
+    assert llama.layout["zero"] == 2
+    whole = P.plan(llama.model, llama.cluster, **dict(llama.layout, zero=1))
+    assert not whole.fits and whole.mfu == llama.plan().mfu
+
+
+def test_zero_2_reduce_scatters_every_micro_batch():
+    """ZeRO-2 keeps a shard of the gradients: each of the m micro-batches reduce-scatters its own,
+    behind the next one's compute (the last behind its own backward); ZeRO-1 reduces once."""
+    kw = dict(dp=16, global_batch=64, dp_overlap=False)
+    z1, z2 = _tiny(zero=1, **kw), _tiny(zero=2, **kw)
+    params = 16 * (4 * 1024 ** 2 + 2 * 1024 * 4096 + 2 * 1024) + 2 * 1024 * 1024
+    bw = P.ring_bandwidth(H100, 1, 16)
+    t_rs = P.bus_factor("reduce_scatter", 16) * params * 4 / bw
+    t_ag = P.bus_factor("all_gather", 16) * params * 2 / bw
+    assert z2.time["dp comm"] - z1.time["dp comm"] == pytest.approx(3 * t_rs)           # 4 micro-batches
+    assert z2.comm_bytes["dp"] - z1.comm_bytes["dp"] == pytest.approx(3 * t_rs * bw)
+    assert z2.memory_bytes["gradients"] == pytest.approx(z1.memory_bytes["gradients"] / 16)
+    on = _tiny(zero=2, dp=16, global_batch=64, dp_overlap=True)
+    per_mb = on.time["compute"] / 4
+    assert on.time["dp comm"] == pytest.approx(3 * max(0, t_rs - per_mb) + max(0, t_rs - per_mb * 2 / 3)
+                                               + max(0, t_ag - per_mb / 3), rel=1e-6)
+    z3 = _tiny(zero=3, **kw)
+    assert z3.time["dp comm"] == pytest.approx(4 * t_rs + 8 * t_ag)                      # gathers: fwd, bwd
 
 
 def test_brackets_hold_the_readme_runs():
