@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,9 +31,7 @@ from intralayer import sequence_parallel as sp
 from intralayer import tensor_parallel as tp
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the programs' package, whatever directory pytest runs from
-    sys.path.insert(0, str(ROOT))
-from tests.programs import bad_input_checks as cases  # noqa: E402
+from tests.programs import bad_input_checks as cases
 ENV = {"PYTHONPATH": str(ROOT)}
 
 

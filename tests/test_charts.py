@@ -108,7 +108,7 @@ def test_the_png_keeps_the_note_under_a_panel():
 
     plain = Chart("t", [bars(note="")]).png()
     noted = Chart("t", [bars(note="the reason this setting is refused\nand a second line")]).png()
-    (w0, h0), (w1, h1) = _png_size(plain), _png_size(noted)
+    (_, h0), (_, h1) = _png_size(plain), _png_size(noted)
     assert h1 > h0 + 20, f"the image with a note is {h1} px high, without {h0}: the note was cut off"
     image = mpimg.imread(io.BytesIO(noted))                     # (height, width, channels) in [0, 1]
     extra = image[h0 - 5:, :, :3]                                # the rows only the note can fill

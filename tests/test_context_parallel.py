@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,10 +29,8 @@ from intralayer import context_parallel as cp
 from intralayer import launch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the programs' package, whatever directory pytest runs from
-    sys.path.insert(0, str(ROOT))
-from tests.programs import cp_checks  # noqa: E402
-from tests.programs.checks import rounding_tol  # noqa: E402
+from tests.programs import cp_checks
+from tests.programs.checks import rounding_tol
 ENV = {"PYTHONPATH": str(ROOT)}
 
 

@@ -3,7 +3,6 @@ changing one, names the cell, applies tests/sanitize.cfg and leaves out the cell
 from __future__ import annotations
 
 import random
-import sys
 from pathlib import Path
 
 import nbformat
@@ -11,8 +10,7 @@ import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-import determinism  # noqa: E402
+import determinism
 
 
 def _notebook(path: Path, cells) -> Path:

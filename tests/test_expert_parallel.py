@@ -18,7 +18,6 @@ alltoall_seconds and simulate accepted a number of nodes that does not split the
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,9 +30,7 @@ from intralayer import launch
 from intralayer.moe import MoELayer, topk_route
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the programs' package, whatever directory pytest runs from
-    sys.path.insert(0, str(ROOT))
-from tests.programs import ep_checks  # noqa: E402
+from tests.programs import ep_checks
 ENV = {"PYTHONPATH": str(ROOT)}
 
 

@@ -35,9 +35,7 @@ from intralayer import launch
 from intralayer.distributed import TIMEOUT_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the programs' package, whatever directory pytest runs from
-    sys.path.insert(0, str(ROOT))
-from tests.programs import fault_checks  # noqa: E402
+from tests.programs import fault_checks
 
 PROGRAM = "tests.programs.fault_checks"
 PG_TIMEOUT = 3                 # seconds a collective waits for a missing peer

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,9 +20,7 @@ import torch.distributed as dist
 from intralayer import comm, distributed, launch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the programs' package, whatever directory pytest runs from
-    sys.path.insert(0, str(ROOT))
-from tests.programs import comm_checks, misbehave  # noqa: E402
+from tests.programs import comm_checks, misbehave
 ENV = {"PYTHONPATH": str(ROOT)}
 MISBEHAVE = "tests.programs.misbehave"
 

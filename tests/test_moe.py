@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from fractions import Fraction
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,10 +27,7 @@ from torch.testing import assert_close
 
 from intralayer import moe
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the programs' package, whatever directory pytest runs from
-    sys.path.insert(0, str(ROOT))
-from tests.programs.checks import rounding_tol  # noqa: E402
+from tests.programs.checks import rounding_tol
 
 
 def softmax64_tol(logits: torch.Tensor) -> dict:

@@ -80,8 +80,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -91,10 +89,7 @@ import torch.nn.functional as F
 
 from intralayer import context_parallel as cp
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the programs' package, whatever directory pytest runs from
-    sys.path.insert(0, str(ROOT))
-from tests.programs.checks import UNIT_ROUNDOFF, gamma  # noqa: E402
+from tests.programs.checks import UNIT_ROUNDOFF, gamma
 
 U32 = UNIT_ROUNDOFF[torch.float32]
 NEG_INF = float("-inf")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,10 +30,8 @@ from intralayer import comm, launch, overlap
 from intralayer.collectives import LINKS, collective_time
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the programs' package, whatever directory pytest runs from
-    sys.path.insert(0, str(ROOT))
-from tests.programs import overlap_checks  # noqa: E402
-from tests.programs.checks import rounding_tol  # noqa: E402
+from tests.programs import overlap_checks
+from tests.programs.checks import rounding_tol
 ENV = {"PYTHONPATH": str(ROOT)}
 
 

@@ -7,7 +7,6 @@
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +17,7 @@ from intralayer import launch, model
 from intralayer import sequence_parallel as sp
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the programs' package, whatever directory pytest runs from
-    sys.path.insert(0, str(ROOT))
-from tests.programs import sp_checks  # noqa: E402
+from tests.programs import sp_checks
 ENV = {"PYTHONPATH": str(ROOT)}
 
 H, HEADS = 16, 4

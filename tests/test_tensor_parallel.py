@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,9 +22,7 @@ from intralayer import launch, model
 from intralayer import tensor_parallel as tp
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the programs' package, whatever directory pytest runs from
-    sys.path.insert(0, str(ROOT))
-from tests.programs import tp_checks  # noqa: E402
+from tests.programs import tp_checks
 ENV = {"PYTHONPATH": str(ROOT)}
 
 S, B, H, HEADS, VOCAB = 4, 2, 16, 4, 32
