@@ -99,7 +99,7 @@ def ring_all_reduce_np(arrays: list[np.ndarray]) -> RingRun:
     (i−j) mod n at every step: the receiver adds it in the first n−1 steps and keeps the
     finished chunk in the last n−1.
     """
-    n = _check_devices(arrays)
+    _check_devices(arrays)
     shape = np.shape(arrays[0])
     rs = ring_reduce_scatter_np(arrays)
     ag = ring_all_gather_np(rs.result)

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import rules
+
 # ---------------------------------------------------------------------------- accounting
 
 @dataclass(frozen=True)
@@ -145,19 +147,15 @@ def _size(group) -> int:
     return dist.get_world_size(group)
 
 
-def _check_dim(x: torch.Tensor, dim: int) -> int:
-    if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim={dim} is out of range for a tensor with {x.dim()} dimensions")
-    return dim % x.dim()
-
-
 def _timed(fn):
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
 
 
-def _all_reduce(x: torch.Tensor, group, phase: str, label: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def raw_all_reduce(x: torch.Tensor, group, phase: str, label: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """The all-reduce alone, outside autograd, recorded in the accounting under ``phase`` and
+    ``label``: for autograd functions' own backward passes and for gradient syncs."""
     out = x.contiguous().clone()
     n = _size(group)
     secs = _timed(lambda: dist.all_reduce(out, op=op, group=group))
@@ -166,9 +164,10 @@ def _all_reduce(x: torch.Tensor, group, phase: str, label: str, op=dist.ReduceOp
     return out
 
 
-def _all_gather(x: torch.Tensor, dim: int, group, phase: str, label: str) -> torch.Tensor:
+def raw_all_gather(x: torch.Tensor, dim: int, group, phase: str, label: str) -> torch.Tensor:
+    """The all-gather along ``dim`` alone, outside autograd, recorded (see :func:`raw_all_reduce`)."""
     n = _size(group)
-    dim = _check_dim(x, dim)
+    dim = rules.check_dim(x, dim)
     src = x.movedim(dim, 0).contiguous()                            # (d, ...)
     out = torch.empty((n * src.shape[0], *src.shape[1:]), dtype=x.dtype, device=x.device)
     secs = _timed(lambda: _gather_single(out, src, group=group))
@@ -177,9 +176,10 @@ def _all_gather(x: torch.Tensor, dim: int, group, phase: str, label: str) -> tor
     return out.movedim(0, dim)                                      # (..., n·d, ...)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group, phase: str, label: str) -> torch.Tensor:
+def raw_reduce_scatter(x: torch.Tensor, dim: int, group, phase: str, label: str) -> torch.Tensor:
+    """The reduce-scatter along ``dim`` alone, outside autograd, recorded (see :func:`raw_all_reduce`)."""
     n = _size(group)
-    dim = _check_dim(x, dim)
+    dim = rules.check_dim(x, dim)
     if x.shape[dim] % n:
         raise ValueError(f"reduce_scatter: size {x.shape[dim]} of dim {dim} is not divisible "
                          f"by the group size {n}")
@@ -206,7 +206,7 @@ def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gr
 def _exchange(src: torch.Tensor, out: torch.Tensor, dst: int, frm: int, group, phase: str,
               label: str) -> torch.Tensor:
     """Send ``src`` to group rank ``dst`` while receiving ``out`` from group rank ``frm``."""
-    n, me = _size(group), dist.get_rank(group)
+    n = _size(group)
     glob = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
     ops = [dist.P2POp(dist.isend, src, glob(dst), group), dist.P2POp(dist.irecv, out, glob(frm), group)]
 
@@ -277,7 +277,7 @@ def all_gather_start(x: torch.Tensor, dim: int = 0, group=None, label: str = "",
     Recorded like :func:`all_gather`, with the time from start to the end of the wait.
     """
     n = _size(group)
-    dim = _check_dim(x, dim)
+    dim = rules.check_dim(x, dim)
     src = x.movedim(dim, 0).contiguous()                                           # (d, ...)
     out = torch.empty((n * src.shape[0], *src.shape[1:]), dtype=x.dtype, device=x.device)
     work = _gather_single(out, src, group=group, async_op=True)
@@ -336,13 +336,13 @@ class _CopyToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _all_reduce(g, ctx.group, "backward", ctx.label), None, None
+        return raw_all_reduce(g, ctx.group, "backward", ctx.label), None, None
 
 
 class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, label):
-        return _all_reduce(x, group, "forward", label)
+        return raw_all_reduce(x, group, "forward", label)
 
     @staticmethod
     def backward(ctx, g):
@@ -353,33 +353,33 @@ class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, label):
         ctx.group, ctx.label = group, label
-        return _all_reduce(x, group, "forward", label)
+        return raw_all_reduce(x, group, "forward", label)
 
     @staticmethod
     def backward(ctx, g):
-        return _all_reduce(g, ctx.group, "backward", ctx.label), None, None
+        return raw_all_reduce(g, ctx.group, "backward", ctx.label), None, None
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, label):
         ctx.dim, ctx.group, ctx.label = dim, group, label
-        return _all_gather(x, dim, group, "forward", label)
+        return raw_all_gather(x, dim, group, "forward", label)
 
     @staticmethod
     def backward(ctx, g):
-        return _reduce_scatter(g, ctx.dim, ctx.group, "backward", ctx.label), None, None, None
+        return raw_reduce_scatter(g, ctx.dim, ctx.group, "backward", ctx.label), None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, label):
         ctx.dim, ctx.group, ctx.label = dim, group, label
-        return _reduce_scatter(x, dim, group, "forward", label)
+        return raw_reduce_scatter(x, dim, group, "forward", label)
 
     @staticmethod
     def backward(ctx, g):
-        return _all_gather(g, ctx.dim, ctx.group, "backward", ctx.label), None, None, None
+        return raw_all_gather(g, ctx.dim, ctx.group, "backward", ctx.label), None, None, None
 
 
 class _Split(torch.autograd.Function):
@@ -391,14 +391,14 @@ class _Split(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _all_gather(g, ctx.dim, ctx.group, "backward", ctx.label), None, None, None
+        return raw_all_gather(g, ctx.dim, ctx.group, "backward", ctx.label), None, None, None
 
 
 class _GatherFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, label):
         ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group, "forward", label)
+        return raw_all_gather(x, dim, group, "forward", label)
 
     @staticmethod
     def backward(ctx, g):
@@ -430,7 +430,7 @@ class _RingShift(torch.autograd.Function):
 
 
 def _divisible(x: torch.Tensor, dim: int, group, what: str) -> int:
-    dim = _check_dim(x, dim)
+    dim = rules.check_dim(x, dim)
     n = _size(group)
     if x.shape[dim] % n:
         raise ValueError(f"{what}: size {x.shape[dim]} of dim {dim} is not divisible by the group size {n}")
@@ -454,7 +454,7 @@ def all_reduce(x: torch.Tensor, group=None, label: str = "") -> torch.Tensor:
 
 def all_gather(x: torch.Tensor, dim: int = 0, group=None, label: str = "") -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` in rank order; backward reduce-scatters."""
-    return _AllGather.apply(x, _check_dim(x, dim), group, label)
+    return _AllGather.apply(x, rules.check_dim(x, dim), group, label)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int = 0, group=None, label: str = "") -> torch.Tensor:
@@ -476,12 +476,12 @@ def gather_from_group(x: torch.Tensor, dim: int = -1, group=None, label: str = "
     reduce-scatter of :func:`all_gather` does) would count it n times. Megatron-LM's
     ``gather_from_tensor_model_parallel_region``; the conjugate of :func:`split`.
     """
-    return _GatherFromGroup.apply(x, _check_dim(x, dim), group, label)
+    return _GatherFromGroup.apply(x, rules.check_dim(x, dim), group, label)
 
 
 def all_reduce_max(x: torch.Tensor, group=None, label: str = "") -> torch.Tensor:
     """Element-wise maximum over the group, with no gradient (a softmax's shift, say)."""
-    return _all_reduce(x.detach(), group, "forward", label, op=dist.ReduceOp.MAX)
+    return raw_all_reduce(x.detach(), group, "forward", label, op=dist.ReduceOp.MAX)
 
 
 def exchange_counts(in_splits: list[int], group=None) -> list[int]:

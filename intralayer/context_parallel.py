@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import comm
+from . import comm, rules
 from .rules import check_group_device as _check_group_device, check_tensor as _check_tensor, whole as _whole
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -74,7 +74,7 @@ def shard_sequence(x: torch.Tensor, dim: int, group, layout: str = "contiguous")
     """This rank's tokens of a sequence that every rank holds whole."""
     _check_tensor(x, "x", "shard_sequence", floating=False)
     P, r = dist.get_world_size(group), dist.get_rank(group)
-    dim = comm._check_dim(x, dim)
+    dim = rules.check_dim(x, dim)
     check_sequence(x.shape[dim], P, layout)
     chunks = x.chunk(n_chunks(P, layout), dim=dim)
     return torch.cat([chunks[i] for i in chunk_ids(r, P, layout)], dim=dim)
@@ -85,7 +85,7 @@ def unshard_sequence(x_local: torch.Tensor, dim: int, group, layout: str = "cont
     _check_tensor(x_local, "x_local", "unshard_sequence", floating=False)
     _check_group_device(x_local, "x_local", "unshard_sequence", group)
     P = dist.get_world_size(group)
-    dim = comm._check_dim(x_local, dim)
+    dim = rules.check_dim(x_local, dim)
     per_rank = len(chunk_ids(0, P, layout))
     if x_local.shape[dim] % per_rank:
         raise ValueError(f"a zigzag shard holds 2 equal chunks; {x_local.shape[dim]} tokens do not split in two")

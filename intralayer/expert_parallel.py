@@ -351,7 +351,7 @@ def hierarchical_forward(layer: ExpertParallelMoE, x: torch.Tensor, nodes: int) 
     P, r = layer.P, layer.rank
     check_nodes(P, nodes)
     layer._check(x, "hierarchical_forward")
-    m, g, h = P // nodes, layer.group, layer.hidden
+    m, g = P // nodes, layer.group
     with torch.no_grad():
         route = topk_route(layer.router(x), layer.k, layer.capacity_factor, None, layer.groups, layer.top_groups)
         T, dev = x.shape[0], x.device

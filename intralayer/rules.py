@@ -29,6 +29,13 @@ def whole(value, what: str, minimum: int = 1) -> int:
 
 # ---------------------------------------------------------------------------- the mesh
 
+def check_dim(x: torch.Tensor, dim: int) -> int:
+    """``dim`` as a non-negative index of one of ``x``'s dimensions (negative counts from the end)."""
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim={dim} is out of range for a tensor with {x.dim()} dimensions")
+    return dim % x.dim()
+
+
 def check_mesh(world_size: int, exact: bool = False, **degrees: int) -> int:
     """``ValueError`` unless the product of ``degrees`` (``tp=2, cp=2`` …) divides ``world_size``.
 

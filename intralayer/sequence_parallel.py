@@ -36,7 +36,7 @@ from . import comm
 from .model import Block, check_shape
 from .rules import whole as _whole
 from .tensor_parallel import (ColumnParallelLinear, ParallelAttention, ParallelBlock as TensorParallelBlock,
-                              ParallelMLP, RowParallelLinear, _degree, check_degrees)
+                              ParallelMLP, RowParallelLinear, check_degrees, degree)
 
 
 def check_sequence(s: int, t: int) -> None:
@@ -57,7 +57,7 @@ class _GatherLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, label, keep_gathered):
-        full = comm._all_gather(x, 0, group, "forward", f"{label} all-gather")          # (s, b, in)
+        full = comm.raw_all_gather(x, 0, group, "forward", f"{label} all-gather")          # (s, b, in)
         ctx.group, ctx.label, ctx.keep, ctx.has_bias = group, label, keep_gathered, bias is not None
         ctx.save_for_backward(full if keep_gathered else x, weight)
         return F.linear(full, weight, bias)                                              # (s, b, out/t)
@@ -65,18 +65,24 @@ class _GatherLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         kept, weight = ctx.saved_tensors
-        full = kept if ctx.keep else comm._all_gather(kept, 0, ctx.group, "backward", f"{ctx.label} re-gather")
+        full = kept if ctx.keep else comm.raw_all_gather(kept, 0, ctx.group, "backward", f"{ctx.label} re-gather")
         dx_full = dy @ weight                                                            # (s, b, in)
-        dx = comm._reduce_scatter(dx_full, 0, ctx.group, "backward", f"{ctx.label} reduce-scatter")
+        dx = comm.raw_reduce_scatter(dx_full, 0, ctx.group, "backward", f"{ctx.label} reduce-scatter")
         dw = dy.flatten(0, -2).T @ full.flatten(0, -2)                                   # (out/t, in)
         db = dy.flatten(0, -2).sum(0) if ctx.has_bias else None
         return dx, dw, db, None, None, None
 
 
 class SequenceParallelColumnLinear(ColumnParallelLinear):
-    """A column-parallel layer whose input arrives split along the sequence: ``(s/t, b, in)``."""
+    """A column-parallel layer whose input arrives split along the sequence: ``(s/t, b, in)``.
 
-    keep_gathered = False
+    ``keep_gathered`` keeps the gathered input for the backward pass instead of gathering it
+    again there: the bytes of one all-gather for the memory of ``(s, b, in)``.
+    """
+
+    def __init__(self, *args, keep_gathered: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.keep_gathered = keep_gathered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_shape(x, self.in_features, f"{type(self).__name__} (input (s/t, b, h))")
@@ -115,14 +121,13 @@ class ParallelBlock(TensorParallelBlock):
     @classmethod
     def from_dense(cls, block: Block, group, sequence_parallel: bool = True,
                    keep_gathered: bool = False) -> "ParallelBlock":
-        t, _ = _degree(group)
+        t, _ = degree(group)
         check_degrees(t, h=block.h, heads=block.attn.heads, ffn=block.mlp.fc1.out_features)
         col, row = ((SequenceParallelColumnLinear, SequenceParallelRowLinear) if sequence_parallel
                     else (ColumnParallelLinear, RowParallelLinear))
-        qkv = col.from_dense(block.attn.qkv, group, parts=3, label="attn.qkv")
-        fc1 = col.from_dense(block.mlp.fc1, group, label="mlp.fc1")
-        for layer in (qkv, fc1):
-            layer.keep_gathered = keep_gathered
+        kept = dict(keep_gathered=keep_gathered) if sequence_parallel else {}    # no gather, nothing to keep
+        qkv = col.from_dense(block.attn.qkv, group, parts=3, label="attn.qkv", **kept)
+        fc1 = col.from_dense(block.mlp.fc1, group, label="mlp.fc1", **kept)
         attn = ParallelAttention(qkv, row.from_dense(block.attn.proj, group, label="attn.proj"),
                                  block.attn.heads // t, block.attn)
         mlp = ParallelMLP(fc1, row.from_dense(block.mlp.fc2, group, label="mlp.fc2"))
@@ -144,7 +149,7 @@ class ParallelBlock(TensorParallelBlock):
         params = [p for p in self.replicated_parameters() if p.grad is not None]
         if not params:
             raise ValueError("sync_grads: no gradients yet — run backward first")
-        flat = comm._all_reduce(torch.cat([p.grad.flatten() for p in params]), self.group, "backward",
+        flat = comm.raw_all_reduce(torch.cat([p.grad.flatten() for p in params]), self.group, "backward",
                                 "replicated grads")
         for p, g in zip(params, flat.split([p.numel() for p in params])):
             p.grad.copy_(g.view_as(p.grad))

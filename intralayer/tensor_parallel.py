@@ -87,7 +87,8 @@ def padded_vocab_size(vocab: int, t: int, multiple: int = VOCAB_MULTIPLE) -> int
     return -(-vocab // step) * step
 
 
-def _degree(group) -> tuple[int, int]:
+def degree(group) -> tuple[int, int]:
+    """``(t, rank)``: the size of ``group`` and this rank's place in it."""
     if not dist.is_initialized():
         raise RuntimeError("tensor-parallel modules need a process group: build them inside distributed.setup()")
     return dist.get_world_size(group), dist.get_rank(group)
@@ -265,15 +266,16 @@ class ColumnParallelLinear(nn.Module):
                  parts: int = 1, label: str = "column"):
         super().__init__()
         self.group, self.gather_output, self.parts, self.label = group, gather_output, parts, label
-        self.t, self.rank = _degree(group)
+        self.t, self.rank = degree(group)
         self.in_features = weight.shape[1]
         self.weight = nn.Parameter(weight)                             # (out/t, in)
         self.bias = nn.Parameter(bias) if bias is not None else None   # (out/t,)
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, group, gather_output: bool = False, parts: int = 1,
-                   label: str = "column") -> "ColumnParallelLinear":
-        t, r = _degree(group)
+                   label: str = "column", **options) -> "ColumnParallelLinear":
+        """This rank's slice of ``linear``; ``options`` go to the constructor of ``cls``."""
+        t, r = degree(group)
         if parts > 1 and linear.out_features % parts:
             raise ValueError(f"{linear.out_features} output features do not split into {parts} equal blocks")
         check_divisible(linear.out_features // parts, t,
@@ -282,7 +284,7 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError("gather_output with parts > 1 would interleave the blocks; gather each block instead")
         weight = _rows(linear.weight.detach(), t, r, parts).clone()
         bias = None if linear.bias is None else _rows(linear.bias.detach(), t, r, parts).clone()
-        return cls(weight, bias, group, gather_output, parts, label)
+        return cls(weight, bias, group, gather_output, parts, label, **options)
 
     def shard(self, full: torch.Tensor, name: str) -> torch.Tensor:
         """This rank's piece of a dense ``weight`` or ``bias`` (or of its gradient)."""
@@ -310,7 +312,7 @@ class RowParallelLinear(nn.Module):
                  label: str = "row"):
         super().__init__()
         self.group, self.input_is_parallel, self.label = group, input_is_parallel, label
-        self.t, self.rank = _degree(group)
+        self.t, self.rank = degree(group)
         self.in_features = weight.shape[1] * self.t                    # the dense layer's
         self.weight = nn.Parameter(weight)                             # (out, in/t)
         self.bias = nn.Parameter(bias) if bias is not None else None   # (out,), replicated
@@ -318,7 +320,7 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_dense(cls, linear: nn.Linear, group, input_is_parallel: bool = True,
                    label: str = "row") -> "RowParallelLinear":
-        t, r = _degree(group)
+        t, r = degree(group)
         check_divisible(linear.in_features, t, "input features")
         weight = linear.weight.detach().chunk(t, dim=1)[r].clone()
         bias = None if linear.bias is None else linear.bias.detach().clone()
@@ -375,7 +377,7 @@ class ParallelAttention(Attention):
 
     @classmethod
     def from_dense(cls, attn: Attention, group, label: str = "attn") -> "ParallelAttention":
-        t, _ = _degree(group)
+        t, _ = degree(group)
         check_degrees(t, h=attn.proj.in_features, heads=attn.heads)
         return cls(ColumnParallelLinear.from_dense(attn.qkv, group, parts=3, label=f"{label}.qkv"),
                    RowParallelLinear.from_dense(attn.proj, group, input_is_parallel=True, label=f"{label}.proj"),
@@ -401,7 +403,7 @@ class ParallelBlock(Block):
 
     @classmethod
     def from_dense(cls, block: Block, group) -> "ParallelBlock":
-        t, _ = _degree(group)
+        t, _ = degree(group)
         check_degrees(t, h=block.h, heads=block.attn.heads, ffn=block.mlp.fc1.out_features)
         return cls(copy.deepcopy(block.ln1), ParallelAttention.from_dense(block.attn, group),
                    copy.deepcopy(block.ln2), ParallelMLP.from_dense(block.mlp.fc1, block.mlp.fc2, group), block)
@@ -512,13 +514,13 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, weight: torch.Tensor, vocab: int, group):
         super().__init__()
         self.group, self.vocab = group, vocab
-        self.t, self.rank = _degree(group)
+        self.t, self.rank = degree(group)
         self.start = self.rank * weight.shape[0]
         self.weight = nn.Parameter(weight)                            # (v/t, h)
 
     @classmethod
     def from_dense(cls, emb: nn.Embedding, group) -> "VocabParallelEmbedding":
-        t, r = _degree(group)
+        t, r = degree(group)
         check_divisible(emb.num_embeddings, t, "vocabulary size")
         return cls(emb.weight.detach().chunk(t, dim=0)[r].clone(), emb.num_embeddings, group)
 
@@ -547,7 +549,7 @@ def _check_ids(ids: torch.Tensor, vocab: int, who: str, device: torch.device | N
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, group):
-        t, r = dist.get_world_size(group), dist.get_rank(group)
+        r = dist.get_rank(group)
         v_local = logits.shape[-1]
         start = r * v_local
         shift = comm.all_reduce_max(logits.max(dim=-1).values, group, "ce max")       # (...)
@@ -577,7 +579,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
     the target's logit) replace gathering ``(…, v)`` logits (Shoeybi et al. 2019, §3).
     Backward needs no communication: ``softmax − one_hot`` restricted to this rank's slice.
     """
-    t, _ = _degree(group)
+    t, _ = degree(group)
     who = "vocab_parallel_cross_entropy"
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() < 1:
         got = (f"dtype {logits.dtype} and shape {tuple(logits.shape)}" if isinstance(logits, torch.Tensor)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from intralayer import comm, distributed
 from intralayer import context_parallel as cp
-from intralayer.programs.tp_linear import error_label
+from intralayer.programs.common import error_label
 
 METHODS = ("ring, contiguous", "ring, zigzag", "Ulysses")
 

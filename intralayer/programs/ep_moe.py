@@ -44,7 +44,7 @@ import torch.distributed as dist
 from intralayer import comm, distributed
 from intralayer import expert_parallel as ep
 from intralayer.moe import MoELayer, bias_update, topk_route
-from intralayer.programs.tp_linear import error_label
+from intralayer.programs.common import error_label
 
 HIDDEN, FFN = 16, 32
 
@@ -56,7 +56,7 @@ def _diff(got, want) -> float:
 
 def correctness(d, E, k, cf, shared, tokens, seed) -> dict:
     """ExpertParallelMoE on this rank's tokens against the dense layer on every rank's tokens."""
-    P, r, dev = d.world_size, d.rank, d.device
+    r, dev = d.rank, d.device
     torch.manual_seed(seed)
     dense = MoELayer(HIDDEN, FFN, E, k, cf, shared=shared).to(dev)
     layer = ep.ExpertParallelMoE.from_dense(dense, d.group)
@@ -229,7 +229,6 @@ def report(d, a, every, sims, nodes, topo) -> None:
     print("\n3. Load: assignments each rank's experts processed")
     for name in ("skewed", "capacity 1.25", "bias balancer"):
         rec = [rank["runs"][name]["received"] for rank in every]
-        secs = [rank["runs"][name]["seconds"] * 1e3 for rank in every]
         print(f"   {name:14} {str(rec):28} straggler factor {max(rec) / np.mean(rec):.2f}   "
               f"dropped {sims[name].dropped}")
     print(f"\n4. Topology: {P} ranks as {nodes} nodes, {a.experts} experts, k = 4; token copies that cross nodes")

@@ -34,7 +34,7 @@ from intralayer import comm, distributed
 from intralayer.expert_parallel import ExpertParallelMoE
 from intralayer.model import Block
 from intralayer.moe import MoELayer
-from intralayer.programs.tp_linear import error_label
+from intralayer.programs.common import error_label
 from intralayer.sequence_parallel import ParallelBlock
 from intralayer.tensor_parallel import expected_shards
 
@@ -82,10 +82,10 @@ def main() -> None:
             (z * dzs[di].chunk(2, 0)[ti].reshape(-1, H)).sum().backward()
             block.sync_grads()                                                 # SP: LayerNorms, row biases over tp
             for p in block.parameters():                                       # DP: every block shard over dp
-                p.grad = comm._all_reduce(p.grad, dp_group, "backward", "dp grads")
+                p.grad = comm.raw_all_reduce(p.grad, dp_group, "backward", "dp grads")
             for p in (layer.w1, layer.w2, layer.w3):                           # an expert's copies across tp
-                p.grad = comm._all_reduce(p.grad, tp_group, "backward", "expert grads")
-            layer.router.weight.grad = comm._all_reduce(layer.router.weight.grad, None, "backward", "router grads")
+                p.grad = comm.raw_all_reduce(p.grad, tp_group, "backward", "expert grads")
+            layer.router.weight.grad = comm.raw_all_reduce(layer.router.weight.grad, None, "backward", "router grads")
         torch.testing.assert_close(z.detach(), ref_out[(di, ti)])             # float32 defaults
         errs = {"output": float((z.detach() - ref_out[(di, ti)]).abs().max())}
         want = expected_shards(block, dense_block, grads=True)

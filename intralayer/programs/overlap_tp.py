@@ -53,7 +53,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from intralayer import comm, distributed, overlap
 from intralayer.model import Block
-from intralayer.programs.tp_linear import error_label
+from intralayer.programs.common import error_label
 from intralayer.sequence_parallel import ParallelBlock
 
 #: Part 3's schedules: (name, schedule, chunks): chunks=None means the --chunks option.

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from intralayer import comm, distributed, memory
 from intralayer.model import Block
-from intralayer.programs.tp_linear import error_label
+from intralayer.programs.common import error_label
 from intralayer.sequence_parallel import ParallelBlock
 from intralayer.tensor_parallel import check_degrees, expected_shards
 

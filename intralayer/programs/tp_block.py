@@ -40,7 +40,7 @@ import torch.distributed as dist
 from intralayer import comm, distributed
 from intralayer.comm import bus_factor
 from intralayer.model import MLP, Attention, Block, TinyGPT, dropout_mask
-from intralayer.programs.tp_linear import error_label
+from intralayer.programs.common import error_label
 from intralayer.tensor_parallel import (TP_SEED_OFFSET, ParallelAttention, ParallelBlock, ParallelGPT, ParallelMLP,
                                         RNGTracker, check_degrees, expected_shards, model_parallel_seed,
                                         seed_dense_dropout, seed_dropout, weights_per_device)

@@ -24,19 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import copy
-import math
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from intralayer import comm, distributed
+from intralayer.programs.common import error_label
 from intralayer.tensor_parallel import ColumnParallelLinear, ParallelMLP, RowParallelLinear, check_degrees
-
-
-def error_label(err: float) -> str:
-    """A stable summary of a small error: 'exact' or '<1e-k' (k the first decimal place it reaches)."""
-    return "exact" if err == 0 else f"<1e-{max(0, math.floor(-math.log10(err)))}"
 
 
 def compare(got: torch.Tensor, want: torch.Tensor) -> float:
