@@ -1,6 +1,8 @@
 """Exercises both ways: each solution passes (nbval runs solutions/), each blank exercise
 fails at its check cells with NotImplementedError and nowhere else, and exercises/ is
-what `make exercises` generates from solutions/."""
+what `make exercises` generates from solutions/. The same for the labs and bug hunts
+(solutions/labs/ → exercises/labs/), whose check cells run the learner's code on real
+ranks (tests/test_labs.py proves their checks reject wrong answers)."""
 from __future__ import annotations
 
 import subprocess
@@ -13,8 +15,12 @@ from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
+LABS = sorted((ROOT / "solutions" / "labs").glob("*.ipynb"))
 sys.path.insert(0, str(ROOT / "tools"))
 import exercises as tool  # noqa: E402
+
+#: Every solutions notebook with the student version generated from it.
+PAIRS = tool.pairs()
 
 
 def nbgrader(cell) -> dict:
@@ -47,14 +53,45 @@ def test_solution_structure(solution):
     assert len(set(ids)) == len(ids), "nbgrader grade ids must be unique"
 
 
-@pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
-def test_blank_exercise_fails_exactly_at_its_checks(solution):
-    exercise = ROOT / "exercises" / solution.name
+def test_every_lab_belongs_to_a_chapter_and_has_its_exercise():
+    chapters = {p.name for p in (ROOT / "chapters").glob("*.ipynb")}
+    labs = {p.name for p in LABS}
+    assert labs, "no labs in solutions/labs"
+    assert labs <= chapters, f"labs named after no chapter: {sorted(labs - chapters)}"
+    assert labs == {p.name for p in (ROOT / "exercises" / "labs").glob("*.ipynb")}
+    assert len(PAIRS) == len(SOLUTIONS) + len(LABS)
+
+
+@pytest.mark.parametrize("lab", LABS, ids=lambda p: p.stem)
+def test_lab_structure(lab):
+    """Each part: a solution cell, then one check cell that runs it with labs.Check on real ranks,
+    its hidden cases between the markers and `check.run()` after them (so they run in the same start)."""
+    nb = nbformat.read(lab, as_version=4)
+    cells = [c for c in nb.cells if c.cell_type == "code" and nbgrader(c)]
+    solutions = [c for c in cells if nbgrader(c).get("solution")]
+    checks = [c for c in cells if nbgrader(c).get("grade")]
+    assert 2 <= len(solutions) <= 5, f"{len(solutions)} parts; a lab has 2 to 5 (a bug hunt among them)"
+    assert [bool(nbgrader(c).get("solution")) for c in cells] == [True, False] * len(solutions), \
+        "each solution cell must be followed by its check cell"
+    assert all("### BEGIN SOLUTION" in c.source for c in solutions)
+    for c in checks:
+        assert nbgrader(c)["points"] > 0 and nbgrader(c).get("locked")
+        assert "labs.Check(" in c.source and "### BEGIN HIDDEN TESTS" in c.source, nbgrader(c)["grade_id"]
+        assert c.source.rstrip().endswith("check.run()"), f"{nbgrader(c)['grade_id']}: run() must come last"
+    hunts = [c for c in checks if "impl=" in c.source]
+    assert len(hunts) == 1, "each lab has exactly one bug hunt (a check whose hidden cases name an impl)"
+    ids = [nbgrader(c)["grade_id"] for c in cells]
+    assert len(set(ids)) == len(ids), "nbgrader grade ids must be unique"
+
+
+@pytest.mark.parametrize("solution, exercise", PAIRS,
+                         ids=[("labs/" if s.parent.name == "labs" else "") + s.stem for s, _ in PAIRS])
+def test_blank_exercise_fails_exactly_at_its_checks(solution, exercise):
     nb = nbformat.read(exercise, as_version=4)
     text = nbformat.writes(nb)
     assert "### BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text
     NotebookClient(nb, timeout=120, allow_errors=True, kernel_name="python3",
-                   resources={"metadata": {"path": str(ROOT / "exercises")}}).execute()
+                   resources={"metadata": {"path": str(exercise.parent)}}).execute()
     failed = {i: o for i, c in enumerate(nb.cells) if c.cell_type == "code"
               for o in c.outputs if o.output_type == "error"}
     checks = {i for i, c in enumerate(nb.cells) if nbgrader(c).get("grade")}

@@ -1,10 +1,11 @@
 """Generate exercises/ from solutions/ with nbgrader's own preprocessors.
 
-    python tools/exercises.py write   # (re)write exercises/NN_name.ipynb
-    python tools/exercises.py check   # exit 1 if a committed exercise is out of date
+    python tools/exercises.py write   # (re)write exercises/NN_name.ipynb and exercises/labs/NN_name.ipynb
+    python tools/exercises.py check   # exit 1 if a committed exercise or lab is out of date
 
 Solutions are replaced by ``raise NotImplementedError()`` (ClearSolutions), hidden
-tests are removed (ClearHiddenTests), outputs are cleared (ClearOutput).
+tests are removed (ClearHiddenTests), outputs are cleared (ClearOutput). The labs and
+bug hunts (``solutions/labs/`` → ``exercises/labs/``) are generated the same way.
 """
 from __future__ import annotations
 
@@ -16,6 +17,13 @@ from nbgrader.preprocessors import ClearHiddenTests, ClearOutput, ClearSolutions
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS, EXERCISES = ROOT / "solutions", ROOT / "exercises"
+#: Each solutions folder and the folder its student versions go to.
+FOLDERS = ((SOLUTIONS, EXERCISES), (SOLUTIONS / "labs", EXERCISES / "labs"))
+
+
+def pairs() -> list[tuple[Path, Path]]:
+    """(solution, exercise) for every solutions notebook: the exercises, then the labs."""
+    return [(solution, out / solution.name) for src, out in FOLDERS for solution in sorted(src.glob("*.ipynb"))]
 
 
 def generate(solution: Path) -> nbformat.NotebookNode:
@@ -38,11 +46,10 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     stale = []
-    for solution in sorted(SOLUTIONS.glob("*.ipynb")):
-        target = EXERCISES / solution.name
+    for solution, target in pairs():
         new = text(generate(solution))
         if argv == ["write"]:
-            EXERCISES.mkdir(exist_ok=True)
+            target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(new)
             print(f"wrote {target.relative_to(ROOT)}")
         elif not target.exists() or target.read_text() != new:

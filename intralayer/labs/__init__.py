@@ -1,0 +1,61 @@
+"""Labs and bug hunts: the learner's ``torch.distributed`` code, checked on real ranks.
+
+A lab notebook (``solutions/labs/NN_name.ipynb``, given to learners as
+``exercises/labs/NN_name.ipynb``) asks for distributed code — a ring all-reduce from
+send and recv, Megatron's f and g, a tensor-parallel MLP — and checks it on 2, 3 and 4
+gloo ranks against the dense result, forward and backward, counting every message and
+collective its code issues. A bug hunt gives the learner an implementation with a bug a
+real system shipped; the learner writes a test, which is run against the buggy and the
+correct implementation on real ranks: it must fail on the first and pass on the second.
+
+The check cell of a lab part::
+
+    check = labs.Check("ring_all_reduce", ring_all_reduce)
+    check.on(ranks=2)
+    check.on(ranks=4)
+    ### BEGIN HIDDEN TESTS
+    check.on(ranks=3, chunk=5, dtype="float64", seed=3)
+    ### END HIDDEN TESTS
+    check.run()
+
+The cases are collected first and run together, in one start of the ranks (about 2–3 s
+here), when ``run()`` is called, so the hidden cases nbgrader adds cost no extra start.
+It works the same under ``make lab``, nbval and ``nbgrader autograde``: the learner's
+functions and classes travel as source (:mod:`.source`), the ranks are processes of their
+own (:mod:`.runner`), and what they find comes back in words (:mod:`.check`), as a
+:class:`LabFailure` (an ``AssertionError``, so nbgrader gives no points) or, for a check
+that passes, one printed line per case with what was measured.
+
+The parts are registered by the chapter modules ``chNN`` of this package (:mod:`.parts`
+explains how); the rank-side recording of every send and collective is :mod:`.monitor`.
+
+Adding the lab of chapter NN
+----------------------------
+1. ``intralayer/labs/chNN.py`` (found by its name, no list to edit). For each lab part,
+   a rank-side check decorated ``@lab("name", ("the_learner's_function",), params=…,
+   forbid_ops=…, forbid_modules=…, why=…, summary=…)``: it builds every rank's inputs
+   from the case's seed (all ranks can compute the reference), calls the learner's code
+   inside ``with watch() as calls:`` (:mod:`.monitor`), compares with the dense
+   reference forward and backward (:func:`.parts.differ`, float64 with a derived
+   tolerance, or exact on whole numbers) and returns ``{"problems": [sentences],
+   "facts": {…}}``: every problem a sentence that names the tensor, the chunk, the
+   factor. For the bug hunt, an :class:`.parts.Implementation` per version — the
+   reported bug first (its ``source`` names the report), the correct one, a second
+   buggy variant — registered with :func:`.parts.hunt`, and a ``hint``.
+2. ``solutions/labs/NN_name.ipynb`` (same name as the chapter): an intro, then per part a
+   markdown cell, a solution cell (nbgrader ``solution``, the body between ``### BEGIN
+   SOLUTION``/``### END SOLUTION``) and a check cell (nbgrader ``grade``, locked, with
+   points) that ends ``check.run()`` after its hidden cases; ``labs.show("hunt")`` above
+   the bug hunt. Visible cases on 2 and 4 ranks; hidden ones on 3 (group ranks differ
+   from process numbers there) and the hunt's second variant. Execute it in place, then
+   ``make exercises`` (or the one-notebook command in book/instructors.md).
+3. ``tests/labs_wrong/chNN.py``: plausible wrong answers, each with the words its
+   rejection must contain, at least one per check cell (tests/test_labs.py runs them
+   with the cells' own cases). Then ``pytest -n 0 tests/test_labs.py -k chNN``,
+   ``pytest -n 0 tests/test_exercises.py -k NN`` and nbval on the lab.
+4. One line in the chapter's summary cell and a row in book/instructors.md.
+"""
+from .check import Check, LabFailure, Report, run_many, show
+from .parts import every, get
+
+__all__ = ["Check", "LabFailure", "Report", "every", "get", "run_many", "show"]

@@ -1,0 +1,167 @@
+"""Wrong answers to lab 01 (Megatron's f and g on real ranks) and its bug hunt (a row-parallel bias)."""
+import torch
+import torch.distributed as dist
+
+
+class FIdentityBothWays(torch.autograd.Function):
+    """f without its all-reduce: each rank keeps its own gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class FSwappedWithG(torch.autograd.Function):
+    """g's behaviour under f's name: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class FAverages(torch.autograd.Function):
+    """f whose backward averages the gradients instead of summing them."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.clone()
+        dist.all_reduce(out, group=ctx.group)
+        return out / dist.get_world_size(ctx.group), None
+
+
+class FAllReducesTwice(torch.autograd.Function):
+    """f that all-reduces in both passes (torch.distributed.nn's all_reduce does)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out / dist.get_world_size(group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.clone()
+        dist.all_reduce(out, group=ctx.group)
+        return out, None
+
+
+class GNoSum(torch.autograd.Function):
+    """g without its all-reduce."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GInPlace(torch.autograd.Function):
+    """g that all-reduces the caller's tensor in place."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        dist.all_reduce(x, group=group)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GSumsTheGradientToo(torch.autograd.Function):
+    """g that also all-reduces the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.clone()
+        dist.all_reduce(out, group=ctx.group)
+        return out, None
+
+
+# ------------------------------------------------------------------ bug hunt: a row-parallel bias
+
+def _layer(t):
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(4 * t, 3, dtype=torch.float64)
+    X = torch.randn(5, 4 * t, dtype=torch.float64, requires_grad=True)
+    return dense, X
+
+
+def test_forward_only(row_linear, group):
+    """Checks the output and nothing else: misses the bias/t variant."""
+    t, i = dist.get_world_size(group), dist.get_rank(group)
+    dense, X = _layer(t)
+    cols = slice(4 * i, 4 * (i + 1))
+    y = row_linear(X.detach()[:, cols], dense.weight.detach()[:, cols], dense.bias.detach(), group)
+    assert torch.allclose(y, dense(X).detach())
+
+
+def test_without_bias(row_linear, group):
+    """A layer whose bias is zero cannot show a bias bug."""
+    t, i = dist.get_world_size(group), dist.get_rank(group)
+    dense, X = _layer(t)
+    cols = slice(4 * i, 4 * (i + 1))
+    bias = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    w = dense.weight.detach()[:, cols].clone().requires_grad_()
+    y = row_linear(X.detach()[:, cols], w, bias, group)
+    y.sum().backward()
+    assert torch.allclose(y, X.detach() @ dense.weight.detach().T)
+
+
+def test_always_fails(row_linear, group):
+    t, i = dist.get_world_size(group), dist.get_rank(group)
+    dense, X = _layer(t)
+    cols = slice(4 * i, 4 * (i + 1))
+    y = row_linear(X.detach()[:, cols], dense.weight.detach()[:, cols], dense.bias.detach(), group)
+    assert y.shape == (3, 5), f"shape {tuple(y.shape)}"
+
+
+def test_bias_grad_summed(row_linear, group):
+    """Expects the bias gradient summed over ranks: fails on the correct layer."""
+    t, i = dist.get_world_size(group), dist.get_rank(group)
+    dense, X = _layer(t)
+    cols = slice(4 * i, 4 * (i + 1))
+    bias = dense.bias.detach().clone().requires_grad_()
+    y = row_linear(X.detach()[:, cols], dense.weight.detach()[:, cols], bias, group)
+    y.sum().backward()
+    assert torch.allclose(bias.grad, torch.full((3,), 5.0 * t, dtype=torch.float64))
+
+
+WRONG = [
+    ("copy_to_group_check", FIdentityBothWays, ["x.grad is off", "this rank's own upstream gradient", "sent nothing"]),
+    ("copy_to_group_check", FSwappedWithG, ["f's output is off", "f's forward pass sent 1 all-reduce"]),
+    ("copy_to_group_check", FAverages, ["the average of the upstream gradients"]),
+    ("copy_to_group_check", FAllReducesTwice, ["f's forward pass sent 1 all-reduce", "it should send nothing"]),
+    ("reduce_from_group_check", GNoSum, ["g's output is off", "this rank's own partial", "sent nothing"]),
+    ("reduce_from_group_check", GInPlace, ["changed its input in place"]),
+    ("reduce_from_group_check", GSumsTheGradientToo, ["the sum of the upstream gradients", "g's backward pass sent 1"]),
+    ("test_row_linear_check", test_forward_only, ["passes on the buggy", "bias/t", "torchtitan"]),
+    ("test_row_linear_check", test_without_bias, ["passes on the buggy", "Hint"]),
+    ("test_row_linear_check", test_always_fails, ["fails on the correct", "shape (5, 3)"]),
+    ("test_row_linear_check", test_bias_grad_summed, ["fails on the correct"]),
+]

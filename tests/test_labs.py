@@ -1,0 +1,337 @@
+"""Labs and bug hunts (intralayer.labs): the checks cannot be fooled, and they say why in words.
+
+- Every plausible wrong answer in ``tests/labs_wrong/`` is rejected by the check cell it
+  answers — with the cases of that cell in ``solutions/labs/``, hidden ones included,
+  read from the notebook itself — and the message names what is wrong. One start of the
+  ranks per chapter runs all of a chapter's wrong answers.
+- A deadlock, an endless loop and a crashed rank end the check with a message, in
+  seconds, and leave no process behind.
+- The notebook side (source extraction, blank exercises, bad input) without processes.
+
+Each lab solution is also run by nbval (``solutions/labs/``), and tests/test_exercises.py
+checks that each blank lab fails exactly at its check cells.
+"""
+from __future__ import annotations
+
+import importlib
+import linecache
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+
+from intralayer import labs
+from intralayer.collectives import ring_all_reduce as library_ring
+from intralayer.labs import parts, source
+from intralayer.labs.runner import layout
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+LABS = sorted((ROOT / "solutions" / "labs").glob("*.ipynb"))
+WRONG = sorted(p.stem for p in (ROOT / "tests" / "labs_wrong").glob("ch*.py"))
+
+
+def grade_cells(notebook: Path) -> dict[str, str]:
+    nb = nbformat.read(notebook, as_version=4)
+    return {c.metadata["nbgrader"]["grade_id"]: c.source for c in nb.cells
+            if c.get("metadata", {}).get("nbgrader", {}).get("grade")}
+
+
+class _Recorder:
+    """Stands in for ``labs`` while a check cell's source runs: records the part and its cases."""
+
+    def __init__(self):
+        self.part, self.cases = None, []
+
+    def Check(self, part, *objects):                      # noqa: N802 (the name the cell calls)
+        self.part = part
+        recorder = self
+
+        class _Check:
+            def on(self, ranks, **params):
+                recorder.cases.append((ranks, params))
+                return self
+
+            def run(self):
+                pass
+
+        return _Check()
+
+
+def check_for(notebook: Path, grade_id: str, answer) -> labs.Check:
+    """A real check of ``answer`` with the part and every case (hidden ones too) of the cell ``grade_id``."""
+    recorder = _Recorder()
+    exec(grade_cells(notebook)[grade_id], _Namespace({"labs": recorder}))  # noqa: S102 (our own notebook's cell)
+    check = labs.Check(recorder.part, *([answer] * len(parts.get(recorder.part).objects)))
+    for ranks, params in recorder.cases:
+        check.on(ranks, **params)
+    return check
+
+
+class _Namespace(dict):
+    """A cell's globals: ``labs`` is the recorder; any other name (the learner's object) is a placeholder."""
+
+    def __missing__(self, key):
+        return None
+
+
+def notebook_of(chapter: str) -> Path:
+    return next(p for p in LABS if p.name.startswith(chapter[2:] + "_"))
+
+
+# ---------------------------------------------------------------------------- wrong answers
+
+def test_every_lab_has_wrong_answers_for_every_check():
+    assert LABS, "no lab notebooks in solutions/labs"
+    for notebook in LABS:
+        chapter = "ch" + notebook.name[:2]
+        assert chapter in WRONG, f"{notebook.name} has no wrong answers in tests/labs_wrong/{chapter}.py"
+        module = importlib.import_module(f"tests.labs_wrong.{chapter}")
+        covered = {gid for gid, _, _ in module.WRONG}
+        assert covered == set(grade_cells(notebook)), \
+            f"{notebook.name}: check cells without wrong answers: {sorted(set(grade_cells(notebook)) - covered)}"
+
+
+@pytest.mark.parametrize("chapter", WRONG)
+def test_every_wrong_answer_is_rejected_in_words(chapter):
+    module = importlib.import_module(f"tests.labs_wrong.{chapter}")
+    notebook = notebook_of(chapter)
+    checks = [check_for(notebook, gid, answer) for gid, answer, _ in module.WRONG]
+    start = time.monotonic()
+    results = labs.run_many(checks, group_timeout=5.0)
+    seconds = time.monotonic() - start
+    failures = []
+    for (gid, answer, words), result in zip(module.WRONG, results):
+        name = getattr(answer, "__name__", repr(answer))
+        if not isinstance(result, labs.LabFailure):
+            failures.append(f"{name} ({gid}) was not rejected: {type(result).__name__}: {result}")
+            continue
+        missing = [w for w in words if w not in str(result)]
+        if missing:
+            failures.append(f"{name} ({gid}): the message lacks {missing}:\n{result}")
+    assert not failures, "\n\n".join(failures)
+    print(f"{chapter}: {len(checks)} wrong answers rejected in {seconds:.1f} s")
+
+
+# ---------------------------------------------------------------------------- hangs and crashes
+
+def _ring_source(body: str):
+    """A ring_all_reduce defined from source in a file of its own (as a notebook cell would be)."""
+    path = Path(__file__).with_name("labs_wrong") / "__hang__.py"
+    namespace = {"__name__": "lab_hang"}
+    code = "import torch\nimport torch.distributed as dist\nimport os\n\n" + body
+    linecache.cache[str(path)] = (len(code), None, code.splitlines(True), str(path))
+    exec(compile(code, str(path), "exec"), namespace)  # noqa: S102 (test code)
+    return namespace["ring_all_reduce"]
+
+
+def runners() -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any("intralayer.labs.runner" in part for part in (p.info["cmdline"] or [])):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def test_a_passing_check_forks_its_ranks_from_one_interpreter():
+    """The runner forks (one import of torch for all ranks) where that is safe; falling back to
+    spawn would still pass, five times slower, so this says so."""
+    fn = _ring_source(
+        "def ring_all_reduce(x, group):\n"
+        "    n, me = dist.get_world_size(group), dist.get_rank(group)\n"
+        "    chunks = [c.clone() for c in x.chunk(n)]\n"
+        "    right, left = (me + 1) % n, (me - 1) % n\n"
+        "    for step in range(2 * (n - 1)):\n"
+        "        out_c, in_c = (me - step) % n, (me - step - 1) % n\n"
+        "        incoming = torch.empty_like(chunks[in_c])\n"
+        "        ops = [dist.P2POp(dist.isend, chunks[out_c], group=group, group_peer=right),\n"
+        "               dist.P2POp(dist.irecv, incoming, group=group, group_peer=left)]\n"
+        "        for request in dist.batch_isend_irecv(ops):\n"
+        "            request.wait()\n"
+        "        chunks[in_c] = chunks[in_c] + incoming if step < n - 1 else incoming\n"
+        "    return torch.cat(chunks)\n")
+    [report] = labs.run_many([labs.Check("ring_all_reduce", fn).on(ranks=2).on(ranks=3).on(ranks=4)])
+    assert isinstance(report, labs.Report), report
+    assert [line.split(":")[0] for line in report.lines] == [f"ring_all_reduce passed on {n} ranks" for n in (2, 3, 4)]
+    if sys.platform.startswith("linux"):
+        assert report.start_method == "fork", f"the ranks were started with {report.start_method!r}, not forked"
+
+
+def test_a_deadlock_ends_at_the_group_timeout_naming_the_line():
+    fn = _ring_source(
+        "def ring_all_reduce(x, group):\n"
+        "    n, me = dist.get_world_size(group), dist.get_rank(group)\n"
+        "    incoming = torch.empty_like(x)\n"
+        "    dist.recv(incoming, group=group, group_src=(me - 1) % n)   # everyone waits first\n"
+        "    return incoming\n")
+    start = time.monotonic()
+    [result] = labs.run_many([labs.Check("ring_all_reduce", fn).on(ranks=2)], group_timeout=2.0)
+    assert time.monotonic() - start < 30
+    assert isinstance(result, labs.LabFailure), result
+    text = str(result)
+    assert "timed out waiting at line 4 of ring_all_reduce" in text and "deadlock" in text, text
+    assert not runners()
+
+
+def test_an_endless_loop_is_stopped_at_the_deadline_naming_the_line():
+    fn = _ring_source(
+        "def ring_all_reduce(x, group):\n"
+        "    while True:\n"
+        "        x = x + 0\n")
+    start = time.monotonic()
+    [result] = labs.run_many([labs.Check("ring_all_reduce", fn).on(ranks=2)], deadline=5.0, group_timeout=2.0)
+    assert time.monotonic() - start < 20
+    assert isinstance(result, labs.LabFailure), result
+    text = str(result)
+    assert "did not finish" in text and "after 5 s" in text and "at line 3 of ring_all_reduce: `x = x + 0`" in text, text
+    assert not runners(), "processes outlived the check"
+
+
+def test_a_rank_that_dies_is_reported():
+    fn = _ring_source(
+        "def ring_all_reduce(x, group):\n"
+        "    if dist.get_rank(group) == 1:\n"
+        "        os._exit(3)\n"
+        "    return x\n")
+    [result] = labs.run_many([labs.Check("ring_all_reduce", fn).on(ranks=2)], deadline=40.0, group_timeout=2.0)
+    assert isinstance(result, labs.LabFailure), result
+    assert "process 1 exited with code 3" in str(result) and "lost their peer" in str(result), str(result)
+    assert not runners()
+
+
+# ---------------------------------------------------------------------------- the notebook side
+
+SCALE = 3
+
+
+def helper(x):
+    return x * SCALE
+
+
+def uses_helper(x, group):
+    return helper(x)
+
+
+def unwritten(x, group):
+    """Docstring first, as a learner may keep it."""
+    # YOUR CODE HERE
+    raise NotImplementedError()
+
+
+def test_source_brings_helpers_constants_and_imports():
+    module = source.module_text({"ring_all_reduce": uses_helper})
+    assert "def helper(x):" in module.text and "def uses_helper(x, group):" in module.text
+    assert "SCALE = 3" in module.text and module.text.rstrip().endswith("ring_all_reduce = uses_helper")
+    namespace = {}
+    exec(compile(module.text, "<module>", "exec"), namespace)  # noqa: S102
+    assert namespace["ring_all_reduce"](2, None) == 6
+    first = module.pieces[-1].first_line
+    assert module.where(first + 1) == "line 2 of uses_helper"
+    assert module.line(first + 1) == "return helper(x)"
+
+
+def test_source_refuses_what_cannot_travel_in_words():
+    import torch
+
+    table = torch.zeros(3)
+
+    def uses_tensor(x, group):
+        return x + table
+
+    global TABLE
+    TABLE = torch.zeros(3)
+
+    def uses_global_tensor(x, group):
+        return x + TABLE
+
+    with pytest.raises(source.SourceError, match="uses the notebook variable TABLE .a Tensor., which cannot"):
+        source.module_text({"f": uses_global_tensor})
+    with pytest.raises(source.SourceError, match="uses table, a variable of the function it was defined in"):
+        source.module_text({"f": uses_tensor})
+    with pytest.raises(source.SourceError, match="a lambda cannot be sent"):
+        source.module_text({"f": lambda x, group: x})
+    with pytest.raises(source.SourceError, match="not a function or class"):
+        source.module_text({"f": 3})
+
+
+def test_a_class_is_found_in_the_cell_of_its_methods():
+    """IPython keeps cells in linecache; a class's module (__main__) has no file to read it from."""
+    cell = ("import torch\n\nclass Twice(torch.autograd.Function):\n    @staticmethod\n"
+            "    def forward(ctx, x, group):\n        return 2 * x\n\n    @staticmethod\n"
+            "    def backward(ctx, g):\n        raise NotImplementedError()\n")
+    name = "<ipython-input-7-0123456789ab>"
+    linecache.cache[name] = (len(cell), None, cell.splitlines(True), name)
+    namespace = {"__name__": "__main__"}
+    exec(compile(cell, name, "exec"), namespace)  # noqa: S102
+    module = source.module_text({"CopyToGroup": namespace["Twice"]})
+    assert "class Twice(torch.autograd.Function):" in module.text and "import torch" in module.text
+    assert module.text.rstrip().endswith("CopyToGroup = Twice")
+    assert source.unwritten(module) == ["Twice.backward"]
+
+
+def test_a_blank_exercise_is_refused_before_anything_starts():
+    check = labs.Check("ring_all_reduce", unwritten).on(ranks=2)
+    start = time.monotonic()
+    with pytest.raises(NotImplementedError, match="unwritten is not written yet"):
+        check.run()
+    assert time.monotonic() - start < 1.0
+
+
+def uses_library_ring(x, group):
+    return library_ring(x, group)
+
+
+def test_a_forbidden_library_answer_is_refused_before_anything_starts():
+    with pytest.raises(labs.LabFailure, match="comes from intralayer.collectives: .*not from a collective or the "
+                                              "library's own ring"):
+        labs.Check("ring_all_reduce", library_ring).on(ranks=2).run()
+    with pytest.raises(labs.LabFailure, match="uses_library_ring uses library_ring: .*library's own ring"):
+        labs.Check("ring_all_reduce", uses_library_ring).on(ranks=2).run()
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: labs.Check("no_such_part", print), "no lab part or bug hunt is called 'no_such_part'"),
+    (lambda: labs.Check("ring_all_reduce"), "checks 1 object"),
+    (lambda: labs.Check("ring_all_reduce", print).on(ranks=5), "runs on groups of 2, 3, 4 ranks"),
+    (lambda: labs.Check("ring_all_reduce", print).on(ranks=2, size=3), "takes no parameter size"),
+    (lambda: labs.Check("ring_all_reduce", print).on(ranks=2, dtype="int8"), "dtype='int8' is not one of"),
+    (lambda: labs.Check("ring_all_reduce", print).on(ranks=2, chunk=0), "chunk=0 must be a whole number ≥ 1"),
+    (lambda: labs.Check("gather_backward", print).on(ranks=2, impl="nope"), "impl='nope' is not one of"),
+    (lambda: labs.Check("ring_all_reduce", print).run(), "add at least one case"),
+    (lambda: labs.show("ring_all_reduce"), "is a lab part, not a bug hunt"),
+    (lambda: labs.run_many([], deadline=0), "deadline=0 must be a positive, finite number"),
+    (lambda: labs.run_many([], deadline=5, group_timeout=10), "must be shorter than deadline=5"),
+])
+def test_bad_input_is_refused_naming_the_rule(call, words):
+    with pytest.raises(ValueError, match=words):
+        call()
+
+
+def test_case_layouts():
+    assert layout(2) == [[0, 1], [2, 3]]
+    assert layout(4) == [[0, 1, 2, 3]]
+    assert layout(3) == [[1, 2, 3]]                       # group ranks differ from process numbers
+    with pytest.raises(ValueError, match="a case needs 1 to 4 ranks"):
+        layout(5)
+
+
+def test_every_part_belongs_to_a_lab_notebook_and_every_check_cell_to_a_part():
+    by_chapter = {p.name[:2]: set(grade_cells(p).values()) for p in LABS}
+    for part in labs.every():
+        assert part.chapter in by_chapter, f"part {part.name} of chapter {part.chapter} has no lab notebook"
+        assert any(f'labs.Check("{part.name}"' in cell for cell in by_chapter[part.chapter]), \
+            f"no check cell of lab {part.chapter} runs {part.name}"
+    for notebook in LABS:
+        for gid, cell in grade_cells(notebook).items():
+            recorder = _Recorder()
+            exec(cell, _Namespace({"labs": recorder}))  # noqa: S102
+            assert parts.get(recorder.part).chapter == notebook.name[:2], f"{notebook.name}:{gid}"
+            assert {r for r, _ in recorder.cases} == {2, 3, 4}, \
+                f"{notebook.name}:{gid} must run on 2 and 4 ranks, and on 3 (where group ranks and process numbers differ)"

@@ -1,0 +1,160 @@
+"""The instructor's path, end to end, in a temporary nbgrader course.
+
+Every solutions notebook — the exercises (``solutions/NN_name.ipynb``, assignment
+``NN_name``) and the labs (``solutions/labs/NN_name.ipynb``, assignment ``lab_NN_name``) —
+goes in ``source/``; ``nbgrader generate_assignment`` releases them all; two students
+submit every assignment: ``correct`` hands in the solutions, ``blank`` the untouched
+release; ``nbgrader autograde`` grades all 2 × N notebooks in one run (hidden tests put
+back, the labs' checks run on real ranks inside nbgrader's kernel); ``nbgrader
+generate_feedback`` writes each student's report. The commands are the ones
+book/instructors.md shows (with ``--force``, which redoes a step that has run before),
+and so is the per-cell time limit. One nbgrader call per step keeps the start-up cost (the
+database, nbgrader's own imports) to once per step; this file is a test module of its
+own, so under ``pytest -n 2 --dist loadfile`` it runs beside the rest of the suite.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import exercises as tool  # noqa: E402
+
+STUDENTS = ("correct", "blank")
+#: nbgrader's own limit for one cell (30 s by default) is short for a lab check on a busy
+#: machine; a lab check stops itself after intralayer.labs.check.DEADLINE_S (60 s).
+CELL_TIMEOUT_S = 300
+
+
+def assignment(solution: Path) -> str:
+    return ("lab_" if solution.parent.name == "labs" else "") + solution.stem
+
+
+ASSIGNMENTS = {assignment(s): (s, e) for s, e in tool.pairs()}
+
+
+def nbgrader(course: Path, *args: str) -> tuple[float, str]:
+    """Run one nbgrader command in the course; return its seconds and its log. nbgrader calls
+    ``alembic`` as a program, so this environment's ``bin`` goes first on PATH."""
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
+    start = time.monotonic()
+    done = subprocess.run([str(Path(sys.executable).with_name("nbgrader")), *args], cwd=course, env=env,
+                          capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, f"nbgrader {' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return time.monotonic() - start, done.stdout + done.stderr
+
+
+#: nbgrader's log line, with its time (the course config sets the format).
+LOG = re.compile(r"^(?P<t>\d\d:\d\d:\d\d\.\d+) (?P<msg>.*)$", re.M)
+
+
+def per_notebook(log: str) -> dict[str, float]:
+    """Seconds autograde spent on each submission, from its 'Sanitizing' line to the next one
+    (or the end): executing the notebook in a fresh kernel, hidden tests included."""
+    marks = [(m["t"], m["msg"]) for m in LOG.finditer(log)]
+    stamps = [(datetime.strptime(t, "%H:%M:%S.%f"), msg) for t, msg in marks]
+    starts = [(i, msg.split("Sanitizing ", 1)[1]) for i, (_, msg) in enumerate(stamps) if "Sanitizing " in msg]
+    out = {}
+    for k, (i, path) in enumerate(starts):
+        end = stamps[starts[k + 1][0]][0] if k + 1 < len(starts) else stamps[-1][0]
+        parts = Path(path.strip()).parts
+        out["/".join(parts[-3:-1])] = (end - stamps[i][0]).total_seconds()   # student/assignment
+    return out
+
+
+@pytest.fixture(scope="module")
+def course(tmp_path_factory):
+    root = tmp_path_factory.mktemp("course")
+    (root / "nbgrader_config.py").write_text(
+        "c = get_config()\n"
+        f"c.CourseDirectory.root = {str(root)!r}\n"
+        "c.CourseDirectory.course_id = 'inside-the-layer'\n"
+        f"c.Execute.timeout = {CELL_TIMEOUT_S}\n"
+        "c.Application.log_format = '%(asctime)s.%(msecs)03d %(message)s'\n"
+        "c.Application.log_datefmt = '%H:%M:%S'\n")
+    for name, (solution, _) in ASSIGNMENTS.items():
+        (root / "source" / name).mkdir(parents=True)
+        shutil.copy(solution, root / "source" / name / solution.name)
+    times = {"generate_assignment": nbgrader(root, "generate_assignment", "*", "--force")[0]}
+    for name, (solution, _) in ASSIGNMENTS.items():
+        for student, src in (("correct", root / "source" / name / solution.name),
+                             ("blank", root / "release" / name / solution.name)):
+            (root / "submitted" / student / name).mkdir(parents=True)
+            shutil.copy(src, root / "submitted" / student / name / solution.name)
+    times["autograde"], log = nbgrader(root, "autograde", "*", "--force")
+    times["generate_feedback"] = nbgrader(root, "generate_feedback", "*", "--force")[0]
+    graded = len(ASSIGNMENTS) * len(STUDENTS)
+    each = per_notebook(log)
+    print(f"\nnbgrader round trip, {len(ASSIGNMENTS)} assignments × {len(STUDENTS)} students: "
+          + ", ".join(f"{step} {secs:.0f} s" for step, secs in times.items())
+          + f"; autograde {times['autograde'] / graded:.1f} s per notebook on average")
+    for name in ASSIGNMENTS:
+        print(f"  autograde {name:28} " + "  ".join(f"{s} {each.get(f'{s}/{name}', float('nan')):5.1f} s"
+                                                   for s in STUDENTS))
+    assert len(each) == graded, f"the log names {len(each)} submissions, not {graded}"
+    return root
+
+
+def notebooks():
+    return [(name, solution.stem) for name, (solution, _) in ASSIGNMENTS.items()]
+
+
+def test_the_release_is_the_student_version(course):
+    """nbgrader's release has the cells `make exercises` writes to exercises/ (test_exercises.py
+    checks that the committed exercises are up to date)."""
+    for name, (solution, exercise) in ASSIGNMENTS.items():
+        released = nbformat.read(course / "release" / name / solution.name, as_version=4)
+        ours = tool.generate(course / "source" / name / solution.name)
+        assert [c.source for c in released.cells] == [c.source for c in ours.cells], \
+            f"nbgrader's release of {name} differs from what `make exercises` writes to {exercise.relative_to(ROOT)}"
+
+
+def _scores(course: Path, student: str) -> dict:
+    from nbgrader.api import Gradebook
+
+    out = {}
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
+        for name, notebook in notebooks():
+            nb = gb.find_submission_notebook(notebook, name, student)
+            out[name] = (nb.score, nb.max_score, {g.name: g.score for g in nb.grades})
+    return out
+
+
+def test_a_correct_submission_gets_every_point(course):
+    short = {name: (score, top) for name, (score, top, _) in _scores(course, "correct").items() if score != top}
+    assert not short, f"the solutions lose points: {short}"
+    assert all(top > 0 for _, top, _ in _scores(course, "correct").values())
+
+
+def test_the_untouched_student_version_gets_no_point(course):
+    scored = {name: {g: s for g, s in grades.items() if s} for name, (_, _, grades) in
+              _scores(course, "blank").items()}
+    assert not any(scored.values()), f"blank notebooks score points: {scored}"
+
+
+def test_the_labs_ran_on_ranks_inside_autograde(course):
+    for name, (solution, _) in ASSIGNMENTS.items():
+        if not name.startswith("lab_"):
+            continue
+        nb = nbformat.read(course / "autograded" / "correct" / name / solution.name, as_version=4)
+        printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+        assert "passed on 4 ranks" in printed and "catches the bug on 3 ranks" in printed, \
+            f"{name}: the checks' hidden cases did not run under autograde:\n{printed[:1500]}"
+
+
+def test_feedback_for_every_submission(course):
+    for name, notebook in notebooks():
+        for student in STUDENTS:
+            page = course / "feedback" / student / name / f"{notebook}.html"
+            assert page.exists(), f"no feedback for {student} on {name}"
+            assert "Score" in page.read_text(errors="replace")
