@@ -122,7 +122,7 @@ def test_every_claims_file_belongs_to_a_chapter():
     assert not strays, f"claims for no chapter: {strays}"
 
 
-LEARNER_FACING = CHAPTERS + sorted((ROOT / "solutions").glob("*.ipynb")) + sorted((ROOT / "book").glob("*.md")) \
+LEARNER_FACING = CHAPTERS + sorted((ROOT / "solutions").glob("**/*.ipynb")) + sorted((ROOT / "book").glob("*.md")) \
     + [ROOT / "README.md"]
 
 

@@ -16,8 +16,7 @@ from nbclient import NotebookClient
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
 LABS = sorted((ROOT / "solutions" / "labs").glob("*.ipynb"))
-sys.path.insert(0, str(ROOT / "tools"))
-import exercises as tool  # noqa: E402
+import exercises as tool
 
 #: Every solutions notebook with the student version generated from it.
 PAIRS = tool.pairs()

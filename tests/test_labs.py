@@ -29,8 +29,6 @@ from intralayer.labs import parts, source
 from intralayer.labs.runner import layout
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 LABS = sorted((ROOT / "solutions" / "labs").glob("*.ipynb"))
 WRONG = sorted(p.stem for p in (ROOT / "tests" / "labs_wrong").glob("ch*.py"))
 

@@ -27,8 +27,7 @@ import nbformat
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-import exercises as tool  # noqa: E402
+import exercises as tool
 
 STUDENTS = ("correct", "blank")
 #: nbgrader's own limit for one cell (30 s by default) is short for a lab check on a busy

@@ -27,7 +27,7 @@ from nbval.plugin import coalesce_streams, find_comment_markers, find_metadata_t
 
 ROOT = Path(__file__).resolve().parents[1]
 SANITIZE_CFG = ROOT / "tests" / "sanitize.cfg"
-NOTEBOOK_GLOBS = ("chapters/*.ipynb", "solutions/*.ipynb")
+NOTEBOOK_GLOBS = ("chapters/*.ipynb", "solutions/*.ipynb", "solutions/labs/*.ipynb")
 CELL_TIMEOUT = 300
 NOT_RUN = "determinism-not-run"          # the tag skipped cells get in this tool's in-memory copy
 
@@ -169,7 +169,7 @@ def format_table(reports: list[NotebookReport]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("notebooks", nargs="*", help="default: chapters/ and solutions/")
+    ap.add_argument("notebooks", nargs="*", help="default: chapters/, solutions/ and solutions/labs/")
     ap.add_argument("--runs", type=int, default=3), ap.add_argument("--jobs", type=int, default=2)
     a = ap.parse_args(argv)
     if a.runs < 2 or a.jobs < 1:
