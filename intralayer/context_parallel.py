@@ -7,11 +7,15 @@ Each of P ranks holds ``s/P`` tokens of q, k and v, laid out ``(b, heads, s_loca
   block it holds while the next block is already on its way, and merges the partial
   results with the log-sum-exp rule (:func:`merge_partials`). The backward pass sends the
   blocks round again, with their gradients travelling alongside.
-- Causal attention makes the ring unfair with ``layout="contiguous"``: rank r computes
-  r+1 blocks, so the last rank computes P times the blocks of the first (and about 2P−1
-  times its unmasked scores, as the first's one block is half masked). ``"zigzag"`` cuts
-  the sequence into 2P chunks and gives rank r chunks r and 2P−1−r, an early and a late
-  one, so every rank does the same work (Megatron-LM's ``get_batch_on_this_cp_rank``).
+- Which tokens a rank holds is its layout, one :class:`Layout` in :data:`LAYOUTS`. Causal
+  attention makes the ring unfair with ``"contiguous"``: rank r computes r+1 blocks, so the
+  last rank computes P times the blocks of the first (and about 2P−1 times its unmasked
+  scores, as the first's one block is half masked). ``"zigzag"`` cuts the sequence into 2P
+  chunks and gives rank r chunks r and 2P−1−r, an early and a late one, so every rank does
+  the same work (Megatron-LM's ``get_batch_on_this_cp_rank``). ``"striped"`` gives token i
+  to rank i mod P (Brandon et al. 2023, Striped Attention): every block is then a triangle,
+  with or without its diagonal, so at each step the ranks' unmasked scores differ by at
+  most s/P, one block's diagonal.
 - :func:`ulysses_attention` (Jacobs et al. 2023, DeepSpeed-Ulysses) trades the sequence
   split for a head split with an all-to-all, runs ordinary attention on ``heads/P`` heads
   over the whole sequence, and trades back.
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -33,30 +38,83 @@ import torch.nn.functional as F
 from . import comm, rules
 from .rules import check_group_device as _check_group_device, check_tensor as _check_tensor, whole as _whole
 
-LAYOUTS = ("contiguous", "zigzag")
-
 
 # ---------------------------------------------------------------------------- layouts
+#
+# A causal query sees the keys at or before its position. Between a chunk of queries and a
+# chunk of keys of L tokens each, with query i and key j their i-th and j-th tokens, that
+# leaves one of four masks: "full" (every key), "diagonal" (j ≤ i), "shifted" (j < i: the
+# triangle without its diagonal) or none at all (the pair is skipped).
 
-def _check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+def _runs(chunk: int, n: int, s: int) -> range:
+    """Chunk ``chunk`` of n as a run of s/n consecutive tokens."""
+    size = s // n
+    return range(chunk * size, (chunk + 1) * size)
+
+
+def _runs_mask(qc: int, kc: int) -> str | None:
+    """Runs: a query sees every key of an earlier chunk, the triangle of its own, none of a later one."""
+    return "full" if kc < qc else "diagonal" if kc == qc else None
+
+
+def _stripes(chunk: int, n: int, s: int) -> range:
+    """Chunk ``chunk`` of n as every n-th token from ``chunk`` on: chunk, chunk + n, chunk + 2n, …"""
+    return range(chunk, s, n)
+
+
+def _stripes_mask(qc: int, kc: int) -> str:
+    """Stripes of n chunks: query i sits at qc + n·i, key j at kc + n·j, and as |qc − kc| < n,
+    kc + n·j ≤ qc + n·i holds for j ≤ i when kc ≤ qc and for j < i when kc > qc."""
+    return "diagonal" if kc <= qc else "shifted"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a sequence of s tokens is cut into ``per_rank · P`` equal chunks and dealt to P ranks."""
+
+    name: str
+    per_rank: int                                  # chunks each rank holds
+    deal: Callable[[int, int], list[int]]          # (rank, P) → the chunks it holds, in order
+    tokens: Callable[[int, int, int], range]       # (chunk, n chunks, s) → the chunk's token positions
+    mask: Callable[[int, int], str | None]         # (query chunk, key chunk) → causal mask, None: no key
+
+
+#: Every context-parallel layout, by name: the one place a layout is defined.
+LAYOUTS = {lay.name: lay for lay in (
+    Layout("contiguous", 1, lambda r, P: [r], _runs, _runs_mask),
+    Layout("zigzag", 2, lambda r, P: [r, 2 * P - 1 - r], _runs, _runs_mask),
+    Layout("striped", 1, lambda r, P: [r], _stripes, _stripes_mask),
+)}
+
+
+def get_layout(layout: str) -> Layout:
+    """The registered :class:`Layout` called ``layout``, or a ``ValueError`` listing the names."""
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {tuple(LAYOUTS)}, got {layout!r}")
+    return LAYOUTS[layout]
 
 
 def n_chunks(P: int, layout: str) -> int:
-    """How many equal chunks the sequence is cut into: P (contiguous) or 2P (zigzag)."""
-    _check_layout(layout)
+    """How many equal chunks the sequence is cut into: P (contiguous, striped) or 2P (zigzag)."""
+    lay = get_layout(layout)
     if not isinstance(P, numbers.Integral) or isinstance(P, bool) or P < 1:
         raise ValueError(f"the context-parallel degree P must be a whole number ≥ 1, got {P!r}")
-    return P if layout == "contiguous" else 2 * P
+    return lay.per_rank * P
 
 
 def chunk_ids(rank: int, P: int, layout: str) -> list[int]:
-    """The chunks rank ``rank`` holds, in order: ``[r]`` or ``[r, 2P−1−r]``."""
+    """The chunks rank ``rank`` holds, in order: ``[r]``, or ``[r, 2P−1−r]`` under zigzag."""
     n_chunks(P, layout)
     if not isinstance(rank, numbers.Integral) or isinstance(rank, bool) or not 0 <= rank < P:
         raise ValueError(f"rank {rank} is not one of the P={P} ranks")
-    return [rank] if layout == "contiguous" else [rank, 2 * P - 1 - rank]
+    return LAYOUTS[layout].deal(rank, P)
+
+
+def positions(rank: int, P: int, s: int, layout: str) -> list[int]:
+    """The token positions rank ``rank`` holds, in the order of its shard."""
+    check_sequence(s, P, layout)
+    n = n_chunks(P, layout)
+    return [t for c in chunk_ids(rank, P, layout) for t in LAYOUTS[layout].tokens(c, n, s)]
 
 
 def check_sequence(s: int, P: int, layout: str) -> None:
@@ -65,7 +123,7 @@ def check_sequence(s: int, P: int, layout: str) -> None:
     if not isinstance(s, numbers.Integral) or isinstance(s, bool) or s < 1:
         raise ValueError(f"sequence length must be a whole number ≥ 1, got {s!r}")
     if s % n:
-        rule = "P" if layout == "contiguous" else "2P"
+        rule = f"{n // P}P" if n > P else "P"
         raise ValueError(f"sequence length {s} is not divisible by {rule} = {n} "
                          f"(the {layout} layout cuts it into {n} equal chunks)")
 
@@ -75,9 +133,8 @@ def shard_sequence(x: torch.Tensor, dim: int, group, layout: str = "contiguous")
     _check_tensor(x, "x", "shard_sequence", floating=False)
     P, r = dist.get_world_size(group), dist.get_rank(group)
     dim = rules.check_dim(x, dim)
-    check_sequence(x.shape[dim], P, layout)
-    chunks = x.chunk(n_chunks(P, layout), dim=dim)
-    return torch.cat([chunks[i] for i in chunk_ids(r, P, layout)], dim=dim)
+    mine = positions(r, P, x.shape[dim], layout)
+    return x.index_select(dim, torch.tensor(mine, device=x.device))
 
 
 def unshard_sequence(x_local: torch.Tensor, dim: int, group, layout: str = "contiguous") -> torch.Tensor:
@@ -86,15 +143,13 @@ def unshard_sequence(x_local: torch.Tensor, dim: int, group, layout: str = "cont
     _check_group_device(x_local, "x_local", "unshard_sequence", group)
     P = dist.get_world_size(group)
     dim = rules.check_dim(x_local, dim)
-    per_rank = len(chunk_ids(0, P, layout))
+    per_rank = n_chunks(P, layout) // P
     if x_local.shape[dim] % per_rank:
-        raise ValueError(f"a zigzag shard holds 2 equal chunks; {x_local.shape[dim]} tokens do not split in two")
-    gathered = comm.gather_from_group(x_local, dim, group, "unshard")           # rank order
-    if layout == "contiguous":
-        return gathered
-    pieces = gathered.chunk(2 * P, dim=dim)                                      # rank j: chunks j, 2P−1−j
-    where = {c: pieces[per_rank * j + slot] for j in range(P) for slot, c in enumerate(chunk_ids(j, P, layout))}
-    return torch.cat([where[c] for c in range(2 * P)], dim=dim)
+        raise ValueError(f"a {layout} shard holds {per_rank} equal chunks; {x_local.shape[dim]} tokens "
+                         f"do not split into {per_rank}")
+    gathered = comm.gather_from_group(x_local, dim, group, "unshard")           # rank after rank
+    order = [t for j in range(P) for t in positions(j, P, gathered.shape[dim], layout)]   # gathered[i]: token order[i]
+    return gathered.index_select(dim, torch.argsort(torch.tensor(order, device=x_local.device)))
 
 
 # ---------------------------------------------------------------------------- blocks
@@ -143,21 +198,26 @@ def _merge_parts(out, m, lam, block_out, block_m, block_lam):
     return merged, new_m, new_lam
 
 
-def _scores(q, k, scale, diagonal):
+#: The first masked diagonal (``triu``'s offset) of each kind of masked block: keys j > i, or j ≥ i.
+_MASKED_FROM = {"diagonal": 1, "shifted": 0}
+
+
+def _scores(q, k, scale, kind):
     s = (q @ k.transpose(-2, -1)) * scale                                        # (b, h, m, n), fp32
-    if diagonal:
+    if kind in _MASKED_FROM:
         m, n = s.shape[-2:]
-        s = s.masked_fill(torch.ones(m, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        hidden = torch.ones(m, n, dtype=torch.bool, device=s.device).triu(_MASKED_FROM[kind])
+        s = s.masked_fill(hidden, float("-inf"))
     return s
 
 
-def _block_parts(q, k, v, scale, diagonal):
+def _block_parts(q, k, v, scale, kind):
     """One block's (output, row max m, λ = log Σ_j e^(s_j − m)), in the work dtype.
 
     Its log-sum-exp is m + λ; a row with no visible key has m = λ = −∞ and output 0.
     """
     w = _work_dtype(q.dtype)
-    s = _scores(q.to(w), k.to(w), scale, diagonal)
+    s = _scores(q.to(w), k.to(w), scale, kind)
     m = s.amax(-1)                                                               # row max, (b, h, queries)
     shift = torch.where(torch.isneginf(m), 0.0, m)                               # −∞ − (−∞) would be NaN
     e = torch.exp(s - shift.unsqueeze(-1))              # ≤ 1 (no overflow), exactly 1 at the max
@@ -179,7 +239,7 @@ def block_attention(q, k, v, scale: float, diagonal: bool):
     ``diagonal`` masks keys after queries within the block (the block on the diagonal of
     a causal attention matrix).
     """
-    out, m, lam = _block_parts(q, k, v, scale, diagonal)
+    out, m, lam = _block_parts(q, k, v, scale, "diagonal" if diagonal else "full")
     return out, m + lam
 
 
@@ -188,24 +248,19 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _relation(qc: int, kc: int, causal: bool) -> str | None:
-    if not causal or qc > kc:
-        return "full"
-    return "diagonal" if qc == kc else None                                     # None: every key is in the future
-
-
 def schedule(rank: int, P: int, layout: str, causal: bool) -> list[list[tuple[int, int, str]]]:
     """For each ring step, the (local query piece, key piece, kind) pairs rank ``rank`` computes.
 
     At step ``i`` the rank holds the key/value block of rank (r − i) mod P. A piece is one
-    of the rank's chunks (one, or two under zigzag); kind is "full" or "diagonal".
+    of the rank's chunks (one, or two under zigzag); kind is the pair's causal mask, "full",
+    "diagonal" or "shifted" (see the layouts), and pairs with no visible key are left out.
     """
-    mine = chunk_ids(rank, P, layout)
+    mine, mask = chunk_ids(rank, P, layout), LAYOUTS[layout].mask
     steps = []
     for i in range(P):
         theirs = chunk_ids((rank - i) % P, P, layout)
         steps.append([(qi, kj, kind) for qi, qc in enumerate(mine) for kj, kc in enumerate(theirs)
-                      if (kind := _relation(qc, kc, causal)) is not None])
+                      if (kind := mask(qc, kc) if causal else "full") is not None])
     return steps
 
 
@@ -213,19 +268,20 @@ COUNTS = ("computed", "unmasked")
 
 
 def _pair_scores(piece: int, kind: str, count: str) -> int:
-    """Scores of one (query piece, key piece) pair: a full piece × piece block, or a diagonal
-    one, which this implementation computes whole but whose queries see only
-    piece·(piece + 1)/2 of its keys (the rest lie in their future)."""
-    if kind == "diagonal" and count == "unmasked":
-        return piece * (piece + 1) // 2
+    """Scores of one (query piece, key piece) pair: a piece × piece block, which this
+    implementation computes whole, though under a "diagonal" mask its queries see only
+    piece·(piece + 1)/2 of its keys and under a "shifted" one piece·(piece − 1)/2."""
+    if count == "unmasked" and kind in _MASKED_FROM:
+        return piece * (piece + 1) // 2 if kind == "diagonal" else piece * (piece - 1) // 2
     return piece * piece
+
 
 
 def work_per_step(s: int, P: int, layout: str, causal: bool, count: str = "computed") -> list[list[int]]:
     """Attention scores each rank computes at each ring step (per batch element and head).
 
     ``work_per_step(...)[r][i]`` is rank r's work at step i. ``count="computed"``: every
-    score of every block the schedule visits, diagonal blocks whole (what :func:`ring_attention`
+    score of every block the schedule visits, masked blocks whole (what :func:`ring_attention`
     computes and :func:`counting` records). ``count="unmasked"``: only the scores a query may
     see, what a kernel that skips masked entries computes.
     """
@@ -279,7 +335,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, causal, layout):
         P, r = dist.get_world_size(group), dist.get_rank(group)
         plan = schedule(r, P, layout, causal)     # per step: the (query piece, key piece, kind) pairs to compute
-        n = len(chunk_ids(r, P, layout))          # pieces per rank: 1 (contiguous) or 2 (zigzag)
+        n = len(chunk_ids(r, P, layout))          # pieces per rank: 1, or 2 under zigzag
         scale = 1.0 / math.sqrt(q.shape[-1])
         b, h, sl, d = q.shape
         w = _work_dtype(q.dtype)
@@ -298,7 +354,7 @@ class _RingAttention(torch.autograd.Function):
             k_p, v_p = _pieces(kv[0], n), _pieces(kv[1], n)
             done = 0
             for qi, kj, kind in pairs:
-                bo, bm, bl = _block_parts(q_p[qi], k_p[kj], v_p[kj], scale, kind == "diagonal")  # out, m, λ
+                bo, bm, bl = _block_parts(q_p[qi], k_p[kj], v_p[kj], scale, kind)        # out, m, λ
                 merged, new_m, new_lam = _merge_parts(out_p[qi], m_p[qi], lam_p[qi], bo, bm, bl)  # lse = m + λ
                 out_p[qi].copy_(merged)
                 m_p[qi].copy_(new_m)
@@ -333,7 +389,7 @@ class _RingAttention(torch.autograd.Function):
             k_p, v_p = _pieces(kv[0].to(w), n), _pieces(kv[1].to(w), n)
             dk_p, dv_p = _pieces(acc[0], n), _pieces(acc[1], n)
             for qi, kj, kind in pairs:
-                s = _scores(q_p[qi], k_p[kj], scale, kind == "diagonal")
+                s = _scores(q_p[qi], k_p[kj], scale, kind)
                 p = _probs(s, m_p[qi], lam_p[qi])                                       # (b, h, m, n)
                 dv_p[kj] += p.transpose(-2, -1) @ do_p[qi]
                 ds = p * (do_p[qi] @ v_p[kj].transpose(-2, -1) - dl_p[qi].unsqueeze(-1))

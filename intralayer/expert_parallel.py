@@ -102,8 +102,20 @@ class ExpertParallelMoE(nn.Module):
             return full[self.first:self.first + self.local_experts]
         return full
 
-    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return (torch.nn.functional.silu(x @ self.w1[e].T) * (x @ self.w3[e].T)) @ self.w2[e].T
+    # The dense layer's routing (router, k, capacity factor, groups) and its SwiGLU expert,
+    # which here indexes this rank's E/P experts.
+    route = MoELayer.route
+    expert = MoELayer.expert
+
+    def exchange_expert_counts(self, expert: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+        """Tell each rank how many of this rank's assignments go to each of its experts (a small
+        all-to-all, recorded as "expert counts"); ``expert``: the kept assignments' experts,
+        sorted. Returns the counts received, ``(P sources, E/P)``, and the rows this rank
+        will send to and receive from each rank."""
+        P = self.P
+        counts = torch.bincount(expert, minlength=self.E).view(P, -1)                      # (P owners, E/P)
+        per_expert = comm.all_to_all(counts, [1] * P, [1] * P, self.group, "expert counts")  # (P sources, E/P)
+        return per_expert, counts.sum(1).tolist(), per_expert.sum(1).tolist()
 
     def _check(self, x: torch.Tensor, who: str = "ExpertParallelMoE") -> None:
         # The experts' weights, not the router's: a program may swap the router for any module.
@@ -113,19 +125,10 @@ class ExpertParallelMoE(nn.Module):
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         self._check(x)
         P, n = self.P, self.local_experts
-        route = topk_route(self.router(x), self.k, self.capacity_factor, bias, self.groups, self.top_groups)
-        T = x.shape[0]
-        token = torch.arange(T, device=x.device).unsqueeze(1).expand(T, self.k)[route.kept]   # (A,)
-        expert = route.expert_index[route.kept]                                              # (A,)
-        weight = route.weights[route.kept]                                                   # (A,)
-        order = torch.argsort(expert, stable=True)               # by expert, hence by owner rank too
-        token, expert, weight = token[order], expert[order], weight[order]
-        counts = torch.bincount(expert, minlength=self.E)                                   # (E,)
+        route = self.route(x, bias)
+        token, expert, weight = route.assignments()       # (A,) each, by expert, hence by owner rank too
         # 1. per-expert counts: rank j learns how many tokens of each of its experts come from each rank
-        per_expert = comm.all_to_all(counts.view(P, n).to(torch.int64), [1] * P, [1] * P, self.group,
-                                     "expert counts").view(P, n)                            # (P sources, E/P)
-        send = counts.view(P, n).sum(1).tolist()
-        recv = per_expert.sum(1).tolist()
+        per_expert, send, recv = self.exchange_expert_counts(expert)                        # (P sources, E/P)
         # 2. dispatch the token vectors, uneven splits
         arrived = comm.all_to_all(x[token], send, recv, self.group, "dispatch")               # (R, h)
         # 3. regroup by local expert across sources, run each expert (even on no tokens: its
@@ -136,14 +139,13 @@ class ExpertParallelMoE(nn.Module):
         out_arrived = torch.zeros_like(arrived)
         t0 = time.perf_counter()
         for e, idx in enumerate(by_expert):
-            out_arrived = out_arrived.index_add(0, idx, self._expert(e, arrived[idx]))
+            out_arrived = out_arrived.index_add(0, idx, self.expert(e, arrived[idx]))
         secs = time.perf_counter() - t0
         # 4. combine: outputs go home in the order they came, then weighted and summed per token
         back = comm.all_to_all(out_arrived, recv, send, self.group, "combine")                # (A, h)
         out = torch.zeros_like(x).index_add(0, token, back * weight.unsqueeze(1))
         if self.shared is not None:
-            s = self.shared
-            out = out + s["w2"](torch.nn.functional.silu(s["w1"](x)) * s["w3"](x))
+            out = out + self.shared(x)
         self.last = Dispatch(send, recv, per_expert, route, secs)
         return out
 
@@ -234,19 +236,9 @@ def skewed_router_logits(T: int, E: int, skew: float, seed: int, hidden: int = 1
 
 def _prepare(layer: ExpertParallelMoE, x: torch.Tensor):
     """Route and sort one micro-batch; exchange its per-expert counts (small, blocking)."""
-    P, n = layer.P, layer.local_experts
-    route = topk_route(layer.router(x), layer.k, layer.capacity_factor, None, layer.groups, layer.top_groups)
-    T = x.shape[0]
-    token = torch.arange(T, device=x.device).unsqueeze(1).expand(T, layer.k)[route.kept]
-    expert = route.expert_index[route.kept]
-    weight = route.weights[route.kept]
-    order = torch.argsort(expert, stable=True)
-    token, expert, weight = token[order], expert[order], weight[order]
-    counts = torch.bincount(expert, minlength=layer.E).view(P, n)
-    per_expert = torch.empty_like(counts)
-    dist.all_to_all_single(per_expert, counts.contiguous(), group=layer.group)
-    return dict(x=x[token].contiguous(), token=token, weight=weight, per_expert=per_expert,
-                send=counts.sum(1).tolist(), recv=per_expert.sum(1).tolist())
+    token, expert, weight = layer.route(x).assignments()
+    per_expert, send, recv = layer.exchange_expert_counts(expert)
+    return dict(x=x[token].contiguous(), token=token, weight=weight, per_expert=per_expert, send=send, recv=recv)
 
 
 def _start_alltoall(src, send, recv, group):
@@ -261,7 +253,7 @@ def _run_experts(layer: ExpertParallelMoE, arrived: torch.Tensor, per_expert: to
     out = torch.zeros_like(arrived)
     for e in range(n):
         idx = torch.cat([blocks[s * n + e] for s in range(P)])
-        out.index_add_(0, idx, layer._expert(e, arrived[idx]))
+        out.index_add_(0, idx, layer.expert(e, arrived[idx]))
     return out
 
 
@@ -323,8 +315,7 @@ def timed_forward(layer: ExpertParallelMoE, x: torch.Tensor, micro_batches: int 
                 finish(i, back)
         out = torch.cat(outs)
         if layer.shared is not None:
-            s_ = layer.shared
-            out = out + s_["w2"](torch.nn.functional.silu(s_["w1"](x)) * s_["w3"](x))
+            out = out + layer.shared(x)
     return out, events
 
 
@@ -353,11 +344,8 @@ def hierarchical_forward(layer: ExpertParallelMoE, x: torch.Tensor, nodes: int) 
     layer._check(x, "hierarchical_forward")
     m, g = P // nodes, layer.group
     with torch.no_grad():
-        route = topk_route(layer.router(x), layer.k, layer.capacity_factor, None, layer.groups, layer.top_groups)
         T, dev = x.shape[0], x.device
-        token = torch.arange(T, device=dev).unsqueeze(1).expand(T, layer.k)[route.kept]
-        expert = route.expert_index[route.kept]
-        weight = route.weights[route.kept]
+        token, expert, weight = layer.route(x).assignments(by_expert=False)
         node = owner(expert, layer.E, P) // m
         # stage 1: unique (token, node) copies, sorted by node; gateway of node n is n·m + (r mod m)
         key = node * T + token
@@ -393,7 +381,7 @@ def hierarchical_forward(layer: ExpertParallelMoE, x: torch.Tensor, nodes: int) 
         y = torch.zeros_like(at_owner)
         for e in range(layer.local_experts):
             idx = (own_exp == e).nonzero().squeeze(1)
-            y.index_add_(0, idx, layer._expert(e, at_owner[idx]))
+            y.index_add_(0, idx, layer.expert(e, at_owner[idx]))
         # combine: back to the gateway, weighted sum per copy, back home once per (token, node)
         back = comm.all_to_all(y, _received_counts(d_counts, g), d_counts, g, "intra-node combine")
         per_assign = torch.empty_like(back)
@@ -402,8 +390,7 @@ def hierarchical_forward(layer: ExpertParallelMoE, x: torch.Tensor, nodes: int) 
         home = comm.all_to_all(summed, src_counts, counts, g, "inter-node combine")
         out = torch.zeros_like(x).index_add_(0, copy_token, home)
         if layer.shared is not None:
-            s_ = layer.shared
-            out = out + s_["w2"](torch.nn.functional.silu(s_["w1"](x)) * s_["w3"](x))
+            out = out + layer.shared(x)
     return out
 
 
@@ -423,10 +410,10 @@ def node_traffic(logits_per_rank: list[torch.Tensor], k: int, capacity_factor: f
     m = P // nodes
     per_assignment = per_node = 0
     for i, logits in enumerate(logits_per_rank):
-        r = topk_route(logits, k, capacity_factor, None, nodes if node_limit else 1, node_limit)
+        token, expert, _ = topk_route(logits, k, capacity_factor, None, nodes if node_limit else 1,
+                                      node_limit).assignments(by_expert=False)
         T = logits.shape[0]
-        token = torch.arange(T).unsqueeze(1).expand(T, k)[r.kept]
-        node = owner(r.expert_index[r.kept], E, P) // m
+        node = owner(expert, E, P) // m
         remote = node != i // m
         per_assignment += int(remote.sum())
         per_node += int(torch.unique(node[remote] * T + token[remote]).numel())

@@ -19,9 +19,8 @@ from fractions import Fraction
 
 import torch
 
+from .model import RECOMPUTE        # "none", "selective", "full": the dense block's choices, counted here
 from .rules import whole as _whole
-
-RECOMPUTE = ("none", "selective", "full")
 
 # name, part, elements per (s·b·h) or per (a·s²·b) or per (s·b), kind, how it is split
 #   kind: "act" (itemsize bytes), "mask" (mask_bytes), "stat" (stats_bytes: LayerNorm mean and 1/σ)

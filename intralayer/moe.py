@@ -8,8 +8,9 @@
   2021, who write N and P_i), 1 for a perfectly even router.
 - :func:`bias_update` and :func:`group_limited_topk`: DeepSeek-V3's auxiliary-loss-free
   balancing and its group (node) limited routing.
-- :class:`MoELayer`: router + SwiGLU experts (+ optional shared expert), forward and
-  backward, with tokens sorted and grouped by expert; :meth:`MoELayer.forward_naive` is
+- :class:`MoELayer`: router + SwiGLU experts (+ optional :class:`SharedExpert`), forward
+  and backward, with tokens sorted and grouped by expert (:meth:`Route.assignments`, which
+  expert parallelism shares); :meth:`MoELayer.forward_naive` is
   the per-token loop it is checked against, with routing of its own (its own top-k, its
   own capacity queues), so that a routing bug in the fast path shows as a difference.
 """
@@ -149,6 +150,18 @@ class Route:
     def kept_counts(self) -> torch.Tensor:
         return torch.bincount(self.expert_index[self.kept], minlength=self.counts.numel())
 
+    def assignments(self, by_expert: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kept assignments as ``(token, expert, weight)``, each ``(A,)``: grouped by expert
+        (a stable sort, so in token order within an expert), or with ``by_expert=False`` in
+        token order, a token's choices best first."""
+        T, k = self.expert_index.shape
+        token = torch.arange(T, device=self.expert_index.device).unsqueeze(1).expand(T, k)[self.kept]
+        expert, weight = self.expert_index[self.kept], self.weights[self.kept]
+        if by_expert:
+            order = torch.argsort(expert, stable=True)
+            token, expert, weight = token[order], expert[order], weight[order]
+        return token, expert, weight
+
 
 def topk_route(logits: torch.Tensor, k: int, capacity_factor: float, bias: torch.Tensor | None = None,
                groups: int = 1, top_groups: int | None = None) -> Route:
@@ -267,6 +280,18 @@ def _check_groups(E: int, k: int, groups: int, top_groups: int) -> None:
 
 # ---------------------------------------------------------------------------- the layer
 
+class SharedExpert(nn.ModuleDict):
+    """A SwiGLU MLP every token passes through, beside the routed experts (DeepSeek-V3's shared
+    expert): ``w2(silu(w1 x) ⊙ w3 x)``, its three bias-free linear layers indexed by name."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__(dict(w1=nn.Linear(hidden, ffn, bias=False), w3=nn.Linear(hidden, ffn, bias=False),
+                              w2=nn.Linear(ffn, hidden, bias=False)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self["w2"](F.silu(self["w1"](x)) * self["w3"](x))
+
+
 class MoELayer(nn.Module):
     """Router, ``experts`` SwiGLU experts and an optional shared expert; tokens ``(T, h)``.
 
@@ -293,11 +318,7 @@ class MoELayer(nn.Module):
         self.w1 = nn.Parameter(torch.randn(experts, ffn, hidden) * scale)       # gate projection
         self.w3 = nn.Parameter(torch.randn(experts, ffn, hidden) * scale)       # up projection
         self.w2 = nn.Parameter(torch.randn(experts, hidden, ffn) / math.sqrt(ffn))   # down projection
-        self.shared = None
-        if shared:
-            self.shared = nn.ModuleDict(dict(w1=nn.Linear(hidden, ffn, bias=False),
-                                             w3=nn.Linear(hidden, ffn, bias=False),
-                                             w2=nn.Linear(ffn, hidden, bias=False)))
+        self.shared = SharedExpert(hidden, ffn) if shared else None
 
     @property
     def experts(self) -> int:
@@ -306,10 +327,6 @@ class MoELayer(nn.Module):
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on tokens x (n, h): w2 · (silu(w1 x) ⊙ w3 x)."""
         return (F.silu(x @ self.w1[e].T) * (x @ self.w3[e].T)) @ self.w2[e].T   # (n, h)
-
-    def _shared(self, x):
-        s = self.shared
-        return s["w2"](F.silu(s["w1"](x)) * s["w3"](x))
 
     def _check(self, x):
         check_tokens(x, self.hidden, self.router.weight, "MoELayer")
@@ -320,12 +337,7 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None):
         self._check(x)
         r = self.route(x, bias)
-        T = x.shape[0]
-        token = torch.arange(T, device=x.device).unsqueeze(1).expand(T, self.k)[r.kept]   # (A,)
-        expert = r.expert_index[r.kept]                                                   # (A,)
-        weight = r.weights[r.kept]                                                        # (A,)
-        order = torch.argsort(expert, stable=True)                                        # group by expert
-        token, expert, weight = token[order], expert[order], weight[order]
+        token, expert, weight = r.assignments()                                            # (A,), by expert
         sizes = torch.bincount(expert, minlength=self.experts).tolist()
         out = torch.zeros_like(x)
         for e, (tok, w) in enumerate(zip(token.split(sizes), weight.split(sizes))):
@@ -333,7 +345,7 @@ class MoELayer(nn.Module):
             # weights (an empty batch of tokens still has a gradient: zero)
             out = out.index_add(0, tok, self.expert(e, x[tok]) * w.unsqueeze(1))
         if self.shared is not None:
-            out = out + self._shared(x)
+            out = out + self.shared(x)
         return out, r
 
     def forward_naive(self, x: torch.Tensor, bias: torch.Tensor | None = None):
@@ -372,7 +384,7 @@ class MoELayer(nn.Module):
             weights.append(w)
         out = torch.stack(rows) if rows else torch.zeros_like(x)                  # (T, h)
         if self.shared is not None:
-            out = out + self._shared(x)
+            out = out + self.shared(x)
         index = torch.tensor(chosen, dtype=torch.long, device=x.device).reshape(T, k)
         route = Route(index, torch.stack(weights) if weights else logits.new_zeros(0, k),
                       torch.tensor(kept, dtype=torch.bool, device=x.device).reshape(T, k),

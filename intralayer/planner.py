@@ -68,9 +68,9 @@ from dataclasses import dataclass
 from . import moe
 from .collectives import LINKS
 from .comm import bus_factor
-from .context_parallel import cp_costs
+from .context_parallel import cp_costs, n_chunks
 from .memory import RECOMPUTE, activation_terms
-from .rules import whole as _whole
+from .rules import check_mesh, whole as _whole
 from .tensor_parallel import H100_BF16_PEAK
 
 
@@ -311,6 +311,7 @@ PIPELINE_LAYOUTS = ("even", "ends")
 SCHEDULES = ("1f1b", "dualpipe")
 TP_OVERLAP = ("none", "backward", "all")
 CP_METHODS = ("ring", "allgather")
+CP_LAYOUT = "zigzag"          # the ring's layout, Megatron-LM's (context_parallel.LAYOUTS)
 
 
 def check_layout(m: Model, c: Cluster, tp=1, sp=False, cp=1, ep=1, pp=1, dp=1, micro_batch=1, seq_len=2048,
@@ -321,12 +322,9 @@ def check_layout(m: Model, c: Cluster, tp=1, sp=False, cp=1, ep=1, pp=1, dp=1, m
     split the same ``tp·cp·dp`` GPUs of a pipeline stage as expert-tensor × expert × expert-data
     parallelism, so ``etp·ep`` must divide ``tp·cp·dp``; ``ep`` may span the tensor-parallel ranks.
     """
-    for value, what in ((tp, "tp"), (cp, "cp"), (ep, "ep"), (pp, "pp"), (dp, "dp"), (micro_batch, "micro_batch"),
-                        (seq_len, "seq_len"), (vpp, "vpp"), (etp, "etp")):
+    check_mesh(c.gpus, world="the cluster's GPU count", unit="GPUs", tp=tp, cp=cp, pp=pp, dp=dp)
+    for value, what in ((ep, "ep"), (micro_batch, "micro_batch"), (seq_len, "seq_len"), (vpp, "vpp"), (etp, "etp")):
         _whole(value, what)
-    gpus = tp * cp * pp * dp
-    if c.gpus % gpus:
-        raise ValueError(f"tp·cp·pp·dp = {tp}·{cp}·{pp}·{dp} = {gpus} GPUs does not divide the cluster's {c.gpus}")
     if m.heads % tp:
         raise ValueError(f"{m.heads} attention heads are not divisible by tp={tp}")
     if m.kv_heads % tp and tp % m.kv_heads:
@@ -341,8 +339,10 @@ def check_layout(m: Model, c: Cluster, tp=1, sp=False, cp=1, ep=1, pp=1, dp=1, m
                          + (" and its embedding and head" if pp_layout == "ends" else ""))
     if vpp > 1 and pp == 1:
         raise ValueError(f"vpp={vpp} virtual stages need pipeline parallelism (pp > 1)")
-    if seq_len % (2 * cp if cp > 1 else 1):
-        raise ValueError(f"seq_len {seq_len} is not divisible by 2·cp = {2 * cp} (zigzag context parallelism)")
+    chunks = n_chunks(cp, CP_LAYOUT) if cp > 1 else 1
+    if seq_len % chunks:
+        raise ValueError(f"seq_len {seq_len} is not divisible by {chunks // cp}·cp = {chunks} "
+                         f"({CP_LAYOUT} context parallelism)")
     if sp and (seq_len // cp) % tp:
         raise ValueError(f"sequence parallelism needs tp={tp} to divide the {seq_len // cp} tokens per cp rank")
     if sp and tp == 1:
@@ -690,7 +690,7 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
             block = micro_batch * s_loc * kv_local * dqk * e
             sent = 2 * (cp - 1) * 2 * block
             return sent, sent / bw["cp"] * (1.5 if recompute == "full" else 1.0)
-        costs = cp_costs(seq_len, micro_batch, kv_local, dqk, cp, "ring", causal=True, layout="zigzag", itemsize=e)
+        costs = cp_costs(seq_len, micro_batch, kv_local, dqk, cp, "ring", causal=True, layout=CP_LAYOUT, itemsize=e)
         steps = cp - 1
         fwd = max(0.0, costs["forward"] / steps / bw["cp"] - L["core"] / cp) * steps
         bwd = max(0.0, costs["backward"] / steps / bw["cp"] - 2 * L["core"] / cp) * steps

@@ -4,7 +4,8 @@
 - :func:`check_mesh`: the parallel degrees must divide the world size (callable before
   any process starts, like the modules' own rules: ``tensor_parallel.check_degrees``,
   ``sequence_parallel.check_sequence``, ``context_parallel.check_sequence`` and
-  ``check_ulysses``, ``expert_parallel.check_placement``, ``planner.check_layout``).
+  ``check_ulysses``, ``expert_parallel.check_placement``, ``planner.check_layout``, which
+  calls it for a cluster's GPUs).
 - :func:`check_tensor`, :func:`check_like` and :func:`check_group_device`: what the
   parallel modules and functions check on their inputs before any collective, so that a
   wrong shape, dtype or device is a message naming the argument, what was expected and
@@ -36,13 +37,16 @@ def check_dim(x: torch.Tensor, dim: int) -> int:
     return dim % x.dim()
 
 
-def check_mesh(world_size: int, exact: bool = False, **degrees: int) -> int:
+def check_mesh(world_size: int, exact: bool = False, world: str = "the world size", unit: str = "ranks",
+               **degrees: int) -> int:
     """``ValueError`` unless the product of ``degrees`` (``tp=2, cp=2`` …) divides ``world_size``.
 
     Returns the degree left over for data parallelism, ``world_size / Π degrees``; with
     ``exact`` the product must be the world size itself (a mesh with no data parallelism).
+    ``world`` and ``unit`` name the whole and its members in the messages (the planner's
+    "the cluster's GPU count" and "GPUs").
     """
-    world_size = whole(world_size, "the world size")
+    world_size = whole(world_size, world)
     if not degrees:
         raise ValueError("check_mesh needs at least one degree, e.g. check_mesh(8, tp=2)")
     for name, value in degrees.items():
@@ -50,10 +54,11 @@ def check_mesh(world_size: int, exact: bool = False, **degrees: int) -> int:
     product = math.prod(degrees.values())
     shape = " × ".join(f"{name}={value}" for name, value in degrees.items())
     if exact and product != world_size:
-        raise ValueError(f"the mesh {shape} has {product} ranks but the world size is {world_size}: "
+        raise ValueError(f"the mesh {shape} has {product} {unit} but {world} is {world_size}: "
                          f"launch {product} processes")
     if world_size % product:
-        raise ValueError(f"the world size {world_size} is not divisible by the mesh {shape} = {product} ranks")
+        named = f"{'·'.join(degrees)} = {'·'.join(map(str, degrees.values()))} = " if len(degrees) > 1 else ""
+        raise ValueError(f"the mesh {shape} ({named}{product} {unit}) does not divide {world} {world_size}")
     return world_size // product
 
 

@@ -1,12 +1,13 @@
 """Tests of intralayer.context_parallel.
 
-(a) Ring attention (both layouts) and Ulysses against SDPA on the whole sequence, forward
-    and backward, float32 / float64 / bfloat16, shard/unshard, counted scores and bytes
-    sent, bad input: on 2 and 4 ranks (tests/programs/cp_checks.py).
+(a) Ring attention (every layout: contiguous, zigzag, striped) and Ulysses against SDPA on
+    the whole sequence, forward and backward, float32 / float64 / bfloat16, shard/unshard,
+    counted scores and bytes sent, bad input: on 2 and 4 ranks (tests/programs/cp_checks.py).
 (b) merge_partials and block_attention on one process, against attention written out.
-(c) The ring's schedule: who computes what, and how much (work_per_rank).
-(d) Layout helpers: n_chunks, chunk_ids, check_sequence, and shard_sequence with a
-    stand-in for the process group.
+(c) The ring's schedule: who computes what, under which mask (against the token
+    positions each layout's definition gives), and how much (work_per_rank).
+(d) Layout helpers: the registry, n_chunks, chunk_ids, positions, check_sequence, and
+    shard_sequence with a stand-in for the process group.
 (e) cp_costs against the formulas of its docstring, and its errors.
 
 Three tests here began as strict xfails for bugs they found (ring attention in float32
@@ -254,10 +255,7 @@ def test_non_causal_work_is_equal_and_covers_the_matrix(P, layout):
 
 def brute_force_unmasked(s, P, layout):
     """Causal (query, key) pairs with key ≤ query whose query a rank holds, by enumeration."""
-    n = cp.n_chunks(P, layout)
-    chunk = np.arange(s).reshape(n, s // n)
-    held = [np.concatenate([chunk[c] for c in cp.chunk_ids(r, P, layout)]) for r in range(P)]
-    return [int(sum(q + 1 for q in positions)) for positions in held]     # query q sees keys 0..q
+    return [sum(q + 1 for q in cp_checks.TOKENS[layout](r, P, s)) for r in range(P)]     # query q sees keys 0..q
 
 
 @pytest.mark.parametrize("layout", cp.LAYOUTS)
@@ -268,9 +266,9 @@ def test_unmasked_work_counts_the_visible_scores(s, P, layout):
     assert sum(unmasked) == s * (s + 1) // 2                  # the causal triangle, diagonal included
     computed = cp.work_per_rank(s, P, layout, True)
     piece = s // cp.n_chunks(P, layout)
-    diagonals = [sum(kind == "diagonal" for step in cp.schedule(r, P, layout, True) for _, _, kind in step)
-                 for r in range(P)]
-    assert [c - u for c, u in zip(computed, unmasked)] == [k * piece * (piece - 1) // 2 for k in diagonals]
+    masked = {"full": 0, "diagonal": piece * (piece - 1) // 2, "shifted": piece * (piece + 1) // 2}
+    want = [sum(masked[kind] for step in cp.schedule(r, P, layout, True) for _, _, kind in step) for r in range(P)]
+    assert [c - u for c, u in zip(computed, unmasked)] == want
 
 
 @pytest.mark.parametrize("P", range(1, 9))
@@ -281,6 +279,21 @@ def test_contiguous_unmasked_work_tends_to_2P_minus_1(P):
     assert work == [r * c * c + c * (c + 1) // 2 for r in range(P)]
     assert work[-1] / work[0] == pytest.approx(2 * P - 1, rel=2 / c)
     assert cp.work_per_rank(s, P, "zigzag", True, count="unmasked") == [2 * P * (c // 2) ** 2 + c // 2] * P
+
+
+@pytest.mark.parametrize("P", range(1, 9))
+def test_striped_causal_work_is_one_triangle_per_block(P):
+    """Striped: every block computed whole (s²/P per rank); unmasked, rank r's r + 1 blocks
+    from ranks 0..r keep their diagonal and its P − 1 − r others lose it, so at each step the
+    ranks differ by at most s/P scores, one block's diagonal (Brandon et al. 2023)."""
+    s = 4 * P
+    c = s // P
+    assert cp.work_per_rank(s, P, "striped", True) == [s * s // P] * P
+    unmasked = cp.work_per_rank(s, P, "striped", True, count="unmasked")
+    assert unmasked == [(r + 1) * c * (c + 1) // 2 + (P - 1 - r) * c * (c - 1) // 2 for r in range(P)]
+    steps = cp.work_per_step(s, P, "striped", True, count="unmasked")
+    spreads = [max(col) - min(col) for col in zip(*steps)]
+    assert spreads == [0] + [c] * (P - 1)       # step 0: every rank's own stripe, diagonal kept
 
 
 @pytest.mark.parametrize("layout", cp.LAYOUTS)
@@ -316,17 +329,41 @@ def global_pairs(P, layout, causal):
     return out
 
 
+def chunk_tokens(P, layout, s):
+    """Each chunk's token positions: the ranks' tokens (cp_checks.TOKENS) cut into their chunks."""
+    out = {}
+    for r in range(P):
+        ids, tokens = cp.chunk_ids(r, P, layout), cp_checks.TOKENS[layout](r, P, s)
+        size = len(tokens) // len(ids)
+        out.update({c: tokens[j * size:(j + 1) * size] for j, c in enumerate(ids)})
+    return out
+
+
+def mask_from_positions(q_tokens, k_tokens):
+    """The causal mask of a (query chunk, key chunk) pair from its token positions — query i
+    sees key j when k_tokens[j] ≤ q_tokens[i] — named as the schedule names it."""
+    seen = torch.tensor(k_tokens)[None, :] <= torch.tensor(q_tokens)[:, None]       # (queries, keys)
+    ones = torch.ones_like(seen)
+    for kind, want in (("full", ones), ("diagonal", ones.tril()), ("shifted", ones.tril(-1))):
+        if torch.equal(seen, want):
+            return kind
+    assert not seen.any(), f"a mask the ring cannot compute:\n{seen.int()}"
+    return None
+
+
 @pytest.mark.parametrize("layout", cp.LAYOUTS)
 @pytest.mark.parametrize("P", range(1, 9))
 def test_causal_schedule_computes_each_needed_pair_exactly_once(P, layout):
+    """The pairs with a visible key, each once, under the mask the token positions give (chunks
+    of 3 tokens, so that "full", "diagonal" and "shifted" all differ); queries stay home."""
     n = cp.n_chunks(P, layout)
+    tokens = chunk_tokens(P, layout, 3 * n)
     pairs = global_pairs(P, layout, True)
     seen = [(qc, kc) for qc, kc, *_ in pairs]
-    assert sorted(seen) == sorted((qc, kc) for qc in range(n) for kc in range(n) if qc >= kc)
-    assert len(seen) == len(set(seen)) == n * (n + 1) // 2
+    needed = [(qc, kc) for qc in range(n) for kc in range(n) if mask_from_positions(tokens[qc], tokens[kc])]
+    assert sorted(seen) == sorted(needed) and len(seen) == len(set(seen))
     for qc, kc, kind, r, _ in pairs:
-        assert qc >= kc, f"rank {r} attends query chunk {qc} to the later key chunk {kc}"
-        assert kind == ("diagonal" if qc == kc else "full")
+        assert kind == mask_from_positions(tokens[qc], tokens[kc]), f"rank {r}: chunks {qc}, {kc}"
         assert qc in cp.chunk_ids(r, P, layout)                  # queries stay home
 
 
@@ -348,6 +385,9 @@ def test_schedule_for_four_ranks_by_hand():
     # zigzag rank 0 holds chunks [0, 7]; at step 1 it holds rank 3's chunks [3, 4]
     assert cp.schedule(0, 4, "zigzag", True)[0] == [(0, 0, "diagonal"), (1, 0, "full"), (1, 1, "diagonal")]
     assert cp.schedule(0, 4, "zigzag", True)[1] == [(1, 0, "full"), (1, 1, "full")]
+    # striped rank 1: its own stripe and rank 0's (earlier tokens) keep the diagonal, ranks 3 and 2 lose it
+    assert cp.schedule(1, 4, "striped", True) == [[(0, 0, "diagonal")], [(0, 0, "diagonal")],
+                                                  [(0, 0, "shifted")], [(0, 0, "shifted")]]
 
 
 # ------------------------------------------------------------------ (d) layout helpers
@@ -357,9 +397,24 @@ def test_chunk_ids_give_every_chunk_to_exactly_one_rank(P):
     for layout in cp.LAYOUTS:
         ids = [c for r in range(P) for c in cp.chunk_ids(r, P, layout)]
         assert sorted(ids) == list(range(cp.n_chunks(P, layout)))
-    assert cp.n_chunks(P, "contiguous") == P and cp.n_chunks(P, "zigzag") == 2 * P
+    assert cp.n_chunks(P, "contiguous") == cp.n_chunks(P, "striped") == P and cp.n_chunks(P, "zigzag") == 2 * P
     assert [cp.chunk_ids(r, P, "zigzag") for r in range(P)] == [[r, 2 * P - 1 - r] for r in range(P)]
     assert [cp.chunk_ids(r, P, "contiguous") for r in range(P)] == [[r] for r in range(P)]
+    assert [cp.chunk_ids(r, P, "striped") for r in range(P)] == [[r] for r in range(P)]
+
+
+@pytest.mark.parametrize("P", range(1, 6))
+def test_every_layout_deals_the_tokens_its_definition_says(P):
+    """The registry against the layouts written out in cp_checks.TOKENS (every layout has one):
+    each rank's positions, and every token on exactly one rank."""
+    assert set(cp.LAYOUTS) == set(cp_checks.TOKENS)
+    for layout in cp.LAYOUTS:
+        s = 3 * cp.n_chunks(P, layout)
+        held = [cp.positions(r, P, s, layout) for r in range(P)]
+        assert held == [cp_checks.TOKENS[layout](r, P, s) for r in range(P)]
+        assert sorted(sum(held, [])) == list(range(s))
+    assert cp.positions(1, 4, 16, "striped") == [1, 5, 9, 13]          # token i on rank i mod P
+    assert cp.get_layout("striped") is cp.LAYOUTS["striped"]
 
 
 @pytest.mark.parametrize("P", [0, -1, 2.5, True, "2", None])
@@ -368,12 +423,14 @@ def test_n_chunks_rejects_a_bad_degree(P):
         cp.n_chunks(P, "zigzag")
 
 
-@pytest.mark.parametrize("call", [lambda: cp.n_chunks(2, "striped"), lambda: cp.chunk_ids(0, 2, "Zigzag"),
+@pytest.mark.parametrize("call", [lambda: cp.n_chunks(2, "stripes"), lambda: cp.chunk_ids(0, 2, "Zigzag"),
                                   lambda: cp.check_sequence(8, 2, "ring"),
                                   lambda: cp.work_per_rank(8, 2, "", True),
-                                  lambda: cp.schedule(0, 2, "contiguous ", True)])
+                                  lambda: cp.schedule(0, 2, "contiguous ", True),
+                                  lambda: cp.positions(0, 2, 8, ["zigzag"]),
+                                  lambda: cp.get_layout(None)])
 def test_unknown_layouts_are_rejected(call):
-    with pytest.raises(ValueError, match=re.escape("layout must be one of ('contiguous', 'zigzag')")):
+    with pytest.raises(ValueError, match=re.escape("layout must be one of ('contiguous', 'zigzag', 'striped')")):
         call()
 
 
@@ -384,7 +441,8 @@ def test_chunk_ids_rejects_a_rank_outside_the_group(rank, P):
 
 
 @pytest.mark.parametrize("s, P, layout", [(8, 1, "zigzag"), (8, 4, "zigzag"), (8, 8, "contiguous"),
-                                          (6, 3, "zigzag"), (7, 7, "contiguous"), (2, 1, "zigzag")])
+                                          (6, 3, "zigzag"), (7, 7, "contiguous"), (2, 1, "zigzag"),
+                                          (12, 4, "striped"), (5, 5, "striped")])
 def test_check_sequence_accepts(s, P, layout):
     assert cp.check_sequence(s, P, layout) is None
 
@@ -394,6 +452,7 @@ def test_check_sequence_accepts(s, P, layout):
     (6, 4, "contiguous", "sequence length 6 is not divisible by P = 4"),
     (3, 1, "zigzag", "sequence length 3 is not divisible by 2P = 2"),
     (10, 2, "zigzag", "sequence length 10 is not divisible by 2P = 4"),
+    (6, 4, "striped", "sequence length 6 is not divisible by P = 4 (the striped layout cuts it into 4 equal chunks)"),
 ])
 def test_check_sequence_names_the_rule(s, P, layout, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -416,9 +475,8 @@ def test_shard_sequence_takes_this_ranks_chunks(monkeypatch, layout, dim):
     for r in range(P):
         fake_group(monkeypatch, P, r)
         parts.append(cp.shard_sequence(x, dim, None, layout))
-    chunks = x.chunk(cp.n_chunks(P, layout), dim)
     for r, part in enumerate(parts):
-        assert torch.equal(part, torch.cat([chunks[c] for c in cp.chunk_ids(r, P, layout)], dim))
+        assert torch.equal(part, x.index_select(dim, torch.tensor(cp_checks.TOKENS[layout](r, P, x.shape[dim]))))
     assert torch.equal(torch.cat(parts, dim).sort(dim).values, x.sort(dim).values)   # nothing lost
 
 
@@ -479,7 +537,7 @@ def test_cp_costs_zigzag_balances_the_causal_ring():
     (dict(method="ulysses", heads=2, P=4), "(P > heads)"),
     (dict(method="ulysses", s=30, P=4), "sequence length 30 is not divisible by P = 4"),
     (dict(method="ring", s=36, P=4), "sequence length 36 is not divisible by 2P = 8"),
-    (dict(method="ring", layout="striped"), "layout must be one of"),
+    (dict(method="ring", layout="stripes"), "layout must be one of"),
     (dict(s=0), "sequence length must be a whole number ≥ 1, got 0"),
     (dict(b=1.5), "batch must be a whole number ≥ 1, got 1.5"),
     (dict(heads=True), "heads must be a whole number ≥ 1, got True"),

@@ -678,7 +678,7 @@ def test_fully_dropped_token_gets_only_the_shared_expert(shared):
     assert r.capacity == 4
     gone = (~r.kept).all(dim=1).nonzero().flatten().tolist()
     assert gone, "the example should drop some token entirely"
-    expected = layer._shared(x) if shared else torch.zeros(T, H, dtype=torch.float64)
+    expected = layer.shared(x) if shared else torch.zeros(T, H, dtype=torch.float64)
     for t in gone:
         close64(out[t], expected[t])
     # Partly dropped tokens: only their kept assignments count.
@@ -690,6 +690,31 @@ def test_fully_dropped_token_gets_only_the_shared_expert(shared):
     xg = x.clone().requires_grad_(True)
     w1_grad = torch.autograd.grad(layer(xg)[0][gone].sum(), layer.w1, allow_unused=True)[0]
     assert w1_grad is None or (w1_grad == 0).all()
+
+
+@pytest.mark.parametrize("by_expert", [True, False])
+def test_assignments_list_the_kept_choices(by_expert):
+    """Route.assignments, the preamble MoELayer and expert parallelism share: every kept
+    (token, expert, weight), written out here from the route's (T, k) tables — in token order,
+    a token's choices best first, or grouped by expert with token order kept within an expert."""
+    logits = torch.randn(12, 4, generator=torch.Generator().manual_seed(5))
+    r = moe.topk_route(logits, 2, 0.75)
+    assert r.dropped > 0                                                  # some choices are not kept
+    want = [(t, int(r.expert_index[t, j]), float(r.weights[t, j])) for t in range(12) for j in range(2)
+            if r.kept[t, j]]
+    if by_expert:
+        want = sorted(want, key=lambda a: a[1])                           # Python's sort is stable
+    token, expert, weight = r.assignments(by_expert)
+    assert list(zip(token.tolist(), expert.tolist(), weight.tolist())) == want
+
+
+def test_the_shared_expert_is_a_swiglu_mlp_with_named_layers():
+    torch.manual_seed(6)
+    shared = moe.SharedExpert(H, FFN).double()
+    assert [name for name, _ in shared.named_parameters()] == ["w1.weight", "w3.weight", "w2.weight"]
+    x = torch.randn(5, H, dtype=torch.float64)
+    w1, w3, w2 = (shared[n].weight for n in ("w1", "w3", "w2"))
+    close64(shared(x), (F.silu(x @ w1.T) * (x @ w3.T)) @ w2.T)
 
 
 @pytest.mark.parametrize("x", [

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from intralayer import memory, moe
+from intralayer import context_parallel as cp, memory, model, moe, rules
 from intralayer import planner as P
 
 H100 = P.CLUSTERS["1024× H100 (128 nodes of 8, InfiniBand)"]
@@ -82,6 +82,23 @@ def test_models_and_clusters_are_frozen_and_replaceable():
 def test_invalid_layouts_name_the_rule(kw, rule):
     with pytest.raises(ValueError, match=rule):
         P.plan(GPT3, dataclasses.replace(A100, gpus=1024), **kw)
+
+
+def test_the_gpu_and_sequence_rules_come_from_rules_and_the_layout_registry():
+    """One source: the planner's GPU rule is rules.check_mesh's, its sequence rule the chunk
+    count of the context-parallel layout it assumes (Megatron-LM's zigzag, 2·cp chunks)."""
+    with pytest.raises(ValueError) as planner_error:
+        P.check_layout(GPT3, H100, tp=8, pp=8, dp=3)
+    with pytest.raises(ValueError) as mesh_error:
+        rules.check_mesh(1024, world="the cluster's GPU count", unit="GPUs", tp=8, cp=1, pp=8, dp=3)
+    assert str(planner_error.value) == str(mesh_error.value)
+    assert "tp·cp·pp·dp = 8·1·8·3 = 192 GPUs" in str(planner_error.value)
+    assert P.CP_LAYOUT == "zigzag" and cp.n_chunks(4, P.CP_LAYOUT) == 8
+    P.check_layout(GPT3, H100, cp=4, seq_len=2056)                            # 8 chunks of 257
+    with pytest.raises(ValueError, match=r"seq_len 2052 is not divisible by 2·cp = 8 \(zigzag context parallelism\)"):
+        P.check_layout(GPT3, H100, cp=4, seq_len=2052)
+    P.check_layout(GPT3, H100, cp=1, seq_len=2047)                            # no context parallelism: any length
+    assert P.RECOMPUTE is memory.RECOMPUTE is model.RECOMPUTE                # recomputation choices, defined once
 
 
 def test_expert_parallelism_folds_into_each_stage():

@@ -1,4 +1,4 @@
-"""Chapter 04: ring attention (two layouts) and DeepSpeed-Ulysses on real ranks, checked and measured.
+"""Chapter 04: ring attention (every layout) and DeepSpeed-Ulysses on real ranks, checked and measured.
 
 Part 1. Every rank builds the same q, k, v for the whole sequence, computes
 ``scaled_dot_product_attention`` on it (the reference), then runs each context-parallel
@@ -7,7 +7,7 @@ shards against the reference (``torch.testing.assert_close``, float32 defaults),
 several shapes, causal and not.
 
 Part 2. With causal attention, each rank counts the attention scores it computed
-(``context_parallel.counting``), for the contiguous and the zigzag layouts, and checks
+(``context_parallel.counting``), for each layout of ``context_parallel.LAYOUTS``, and checks
 the count against ``context_parallel.work_per_rank``.
 
 Part 3. Each rank's bytes sent, recorded by ``comm.accounting``, checked against
@@ -38,17 +38,18 @@ from intralayer import comm, distributed
 from intralayer import context_parallel as cp
 from intralayer.programs.common import error_label
 
-METHODS = ("ring, contiguous", "ring, zigzag", "Ulysses")
+METHODS = tuple(f"ring, {layout}" for layout in cp.LAYOUTS) + ("Ulysses",)
+
+
+def layout_of(method: str) -> str:
+    """The layout of a method's shards: the ring's own; Ulysses takes contiguous ones."""
+    return method.removeprefix("ring, ") if method.startswith("ring, ") else "contiguous"
 
 
 def run_method(method, q, k, v, group, causal):
     if method == "Ulysses":
         return cp.ulysses_attention(q, k, v, group, causal)
-    return cp.ring_attention(q, k, v, group, causal, layout=method.split(", ")[1])
-
-
-def layout_of(method: str) -> str:
-    return "zigzag" if "zigzag" in method else "contiguous"
+    return cp.ring_attention(q, k, v, group, causal, layout=layout_of(method))
 
 
 def check(d, b, heads, s, dh, causal, seed) -> dict:

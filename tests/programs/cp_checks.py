@@ -1,8 +1,8 @@
 """Check intralayer.context_parallel on real ranks against attention on the whole sequence.
 
 Every rank builds the same q, k, v (and upstream gradient) for the whole sequence, runs
-``scaled_dot_product_attention`` on it as the reference, then runs ring attention (both
-layouts) and Ulysses on its own shards and compares its output shard and the gradients
+``scaled_dot_product_attention`` on it as the reference, then runs ring attention (every
+layout of ``context_parallel.LAYOUTS``) and Ulysses on its own shards and compares its output shard and the gradients
 of its q, k, v shards with the matching shards of the reference — for several shapes,
 causal and not, in float32, float64 and bfloat16, and with scores of order 1e4. It also
 checks ``shard_sequence`` / ``unshard_sequence`` (round trip and backward), the scores
@@ -37,7 +37,16 @@ from tests.programs.checks import EXACT, UNIT_ROUNDOFF, bounded, expect, close, 
 
 MARKER = "CP CHECKS PASSED on ranks:"
 FLOAT64_RING_MARKER = "CP FLOAT64 RING PASSED on ranks:"
-METHODS = ("ring contiguous", "ring zigzag", "ulysses")
+METHODS = tuple(f"ring {layout}" for layout in cp.LAYOUTS) + ("ulysses",)
+
+# The token positions rank r of P holds in a sequence of s tokens, written out from each
+# layout's definition (the library derives them from its registry): a new layout needs one.
+TOKENS = {
+    "contiguous": lambda r, P, s: list(range(r * s // P, (r + 1) * s // P)),
+    "zigzag": lambda r, P, s: (list(range(r * s // (2 * P), (r + 1) * s // (2 * P)))
+                               + list(range((2 * P - 1 - r) * s // (2 * P), (2 * P - r) * s // (2 * P)))),
+    "striped": lambda r, P, s: list(range(r, s, P)),                  # token i on rank i mod P
+}
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -49,7 +58,8 @@ def randn(*shape, seed: int, dtype=torch.float32) -> torch.Tensor:
 
 
 def layout_of(method: str) -> str:
-    return "zigzag" if method == "ring zigzag" else "contiguous"
+    """The layout of a method's shards: the ring's own; Ulysses takes contiguous ones."""
+    return method.removeprefix("ring ") if method.startswith("ring ") else "contiguous"
 
 
 def run_method(method, q, k, v, group, causal):
@@ -322,9 +332,9 @@ def check_shard_unshard(P, r, group):
         for dim in (0, 1, 2, -1):
             what = f"shard/unshard {layout} dim={dim}"
             mine = cp.shard_sequence(x, dim, group, layout)
-            chunks = x.chunk(cp.n_chunks(P, layout), dim=dim)
-            want = torch.cat([chunks[c] for c in cp.chunk_ids(r, P, layout)], dim=dim)
-            expect(torch.equal(mine, want), f"{what}: this rank's shard is not chunks {cp.chunk_ids(r, P, layout)}")
+            tokens = TOKENS[layout](r, P, x.shape[dim])
+            want = x.index_select(dim, torch.tensor(tokens))
+            expect(torch.equal(mine, want), f"{what}: this rank's shard is not tokens {tokens}")
             expect(mine.shape[dim % x.dim()] == x.shape[dim] // P, f"{what}: shard shape {tuple(mine.shape)}")
             expect(torch.equal(cp.unshard_sequence(mine, dim, group, layout), x), f"{what}: round trip")
 
@@ -355,7 +365,7 @@ def check_bad_input(P, r, group):
         raises(fn, f"sequence length {3 * P} is not divisible by 2P = {2 * P}", "zigzag", what=what)
     raises(lambda: cp.shard_sequence(randn(1, 2, P + 1, 4, seed=703), 2, group, "contiguous"),
            f"sequence length {P + 1} is not divisible by P = {P}", what="shard contiguous, s = P + 1")
-    raises(lambda: cp.unshard_sequence(odd, 2, group, "zigzag"), "zigzag", "3 tokens do not split in two",
+    raises(lambda: cp.unshard_sequence(odd, 2, group, "zigzag"), "zigzag", "3 tokens do not split into 2",
            what="unshard zigzag, odd shard")
 
     three = randn(1, 3, 2, 4, seed=704)
@@ -380,10 +390,10 @@ def check_bad_input(P, r, group):
         raises(lambda: fn(q[0], q[0], q[0]), who, "(b, heads, s_local, d)", str(q[0].shape), what=f"{name}: 3-D")
         raises(lambda: fn(q[None], q[None], q[None]), who, "(b, heads, s_local, d)", what=f"{name}: 5-D")
         raises(lambda: fn(q, q.double(), q), who, "share dtype", what=f"{name}: float32 q, float64 k")
-    raises(lambda: cp.ring_attention(q, q, q, group, layout="striped"), "layout must be one of",
+    raises(lambda: cp.ring_attention(q, q, q, group, layout="stripes"), "layout must be one of",
            what="ring: unknown layout")
-    raises(lambda: cp.shard_sequence(q, 2, group, "striped"), "layout must be one of", what="shard: unknown layout")
-    raises(lambda: cp.unshard_sequence(q, 2, group, "striped"), "layout must be one of",
+    raises(lambda: cp.shard_sequence(q, 2, group, "zig-zag"), "layout must be one of", what="shard: unknown layout")
+    raises(lambda: cp.unshard_sequence(q, 2, group, "Striped"), "layout must be one of",
            what="unshard: unknown layout")
 
 

@@ -24,7 +24,8 @@ assignments to that peer × hidden × 4, as ``simulate`` computes them from ever
 logits (a replica of the router gives them); ``hierarchical_forward`` computes the plain
 forward for 1, 2 and P nodes and its inter-node dispatch moves ``node_traffic``'s
 per-node copies; ``timed_forward`` computes the plain forward, sequential and
-overlapped, in 1 and 2 micro-batches, with a well-formed timeline; and bad input raises
+overlapped, in 1 and 2 micro-batches, with a well-formed timeline, its per-expert counts
+recorded by ``comm`` (one all-to-all per micro-batch); and bad input raises
 ``ValueError`` on every rank before any communication.
 
 Any mismatch raises, so the rank, and the launch, fail; when every check passed on
@@ -279,8 +280,13 @@ def check_timed(P, r, group):
                 per_chunk = torch.cat([layer(c) for c in x.chunk(mb)])
             for overlap in (False, True):
                 what = f"timed_forward (capacity factor {cf}, {mb} micro-batches, overlap={overlap}, rank {r})"
-                out, events = ep.timed_forward(layer, x, micro_batches=mb, overlap=overlap)
+                with comm.accounting() as acc:
+                    out, events = ep.timed_forward(layer, x, micro_batches=mb, overlap=overlap)
                 expect(not out.requires_grad, f"{what}: the output requires grad")
+                counted = [rec for rec in acc.records if rec.label == "expert counts"]
+                to_peers = tuple(0 if j == r else 2 * 8 for j in range(P))     # E/P = 2 int64 counts a peer
+                expect(len(counted) == mb and all(rec.op == "all_to_all" and rec.peers == to_peers for rec in counted),
+                       f"{what}: the count exchanges recorded\n{acc.table()}")
                 if cf == NEVER_DROPS or mb == 1:
                     close(out, plain, f"{what}: output against the plain forward")
                 close(out, per_chunk, f"{what}: output against the plain forward on each micro-batch")
