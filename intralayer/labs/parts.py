@@ -184,7 +184,7 @@ def differ(got, want: torch.Tensor, what: str, rtol: float = 0.0, atol: float = 
     if got.dtype != want.dtype:
         return f"{what} has dtype {got.dtype}; it should keep the input's dtype {want.dtype}"
     diff = (got.detach() - want).abs()
-    bad = diff > atol + rtol * want.abs()
+    bad = ~((diff <= atol + rtol * want.abs()) | (got.detach() == want))   # NaN is never close; equal infs are
     if not bool(bad.any()):
         return None
     flat = int(torch.argmax(diff.reshape(-1)))

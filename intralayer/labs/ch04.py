@@ -1,0 +1,426 @@
+"""Chapter 04's lab and bug hunt: ring attention from send and recv; a backward pass that reuses a stale block.
+
+Lab (``solutions/labs/04_context_parallel.ipynb``). Each of the P ranks holds ``s/P``
+consecutive tokens of q, k and v, laid out ``(b, a, s/P, d)`` (rank i: tokens i·s/P to
+(i+1)·s/P − 1):
+
+- ``ring_attention(q, k, v, group, causal)``: ``(out, lse)`` — this rank's rows of softmax
+  attention over the whole sequence and the log-sum-exp of each of its query rows' scores.
+  Its queries stay; the key/value blocks go round the ring, P − 1 moves of send/recv to the
+  right neighbour, every rank passing on the block it received the step before, and the
+  partial results merge with the log-sum-exp rule. The checks give every rank a query row
+  with a score of 1000 (or more), where ``exp`` overflows even in float64: a merge that
+  exponentiates a score or a log-sum-exp directly fails.
+- ``RingAttention`` (the stretch part): an autograd function whose backward passes the
+  blocks round again, each block's dK and dV travelling with it and one move further, home:
+  P − 1 moves of K, V and P of dK, dV.
+
+The checks compare with dense attention in float64 (outputs, log-sum-exps and the gradients
+of q, k and v), causal or not, and follow every message: to the right neighbour only, the
+bytes of the ring, and in the forward pass which rank's block each message carried.
+Collectives are refused while the learner's code runs, and so is the library's own ring
+(:mod:`intralayer.context_parallel`).
+
+Bug hunt: ``ring_attention(q, k, v, group)``, differentiable, with a correct forward pass.
+The bug, from diffusers' ring attention (huggingface/diffusers#14265, fixed by #14274):
+its backward rotates the key/value blocks round the ring but computes every step's
+gradients against the block saved in the forward pass — this rank's own — so the remote
+blocks never reach the gradient computation. The second buggy implementation, from
+tt-metal's ring attention backward (tenstorrent/tt-metal#53205, fixed by #53216), computes
+the softmax backward's correction D = rowsum(dO ⊙ O) from each block's own output instead
+of the merged one: dV stays exact, dQ and dK do not. (Both are the course's rewrites of the
+logic, not the projects' code.)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .parts import Implementation, Param, calls_of, differ, group_info, hunt, lab
+from .monitor import COLLECTIVES, watch
+
+#: float64. The longest sums are over s = 12 keys (and s·b rows of a gradient) of terms up to
+#: ~1e3 in the loud rows' scores; their rounding stays below 2γ₁₂·1e3·12 ≈ 3e-11 relative to the
+#: lse, and below 1e-12 in the outputs (probabilities and values of order 1). 1e-9 leaves a
+#: margin and sits far below any wrong answer (a missing block shifts an output by ~0.1).
+TOL = dict(rtol=1e-9, atol=1e-9)
+B_, A_, SL_, D_ = 2, 2, 3, 4                # b, heads a, tokens per rank s/P, head dim d
+LOUD = 1000.0                                # a score of each loud row: exp(1000) overflows float64
+PARAMS = {"causal": Param(False, (False, True)), "seed": Param(0, minimum=0)}
+WHY = ("this lab builds the ring from point-to-point sends and receives (dist.send/recv, isend/irecv, "
+       "batch_isend_irecv), not from a collective or the library's own ring attention (intralayer.context_parallel)")
+
+
+def inputs(case: dict, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole (b, a, s, d) q, k, v, the same on every rank; each rank's first query is loud.
+
+    Rank r's first query scores exactly LOUD against the key of the token just before it (its
+    own token on rank 0), so that block's log-sum-exp is at least 1000 (causal or not).
+    """
+    g = torch.Generator().manual_seed(1000 * case["seed"] + n)
+    Q, K, V = (torch.randn(B_, A_, SL_ * n, D_, generator=g, dtype=torch.float64) for _ in range(3))
+    for r in range(n):
+        qpos = r * SL_
+        key = K[:, :, max(qpos - 1, 0)]                                        # (b, a, d)
+        Q[:, :, qpos] = LOUD * math.sqrt(D_) * key / (key * key).sum(-1, keepdim=True)
+    return Q, K, V
+
+
+def dense(Q, K, V, causal: bool):
+    """Softmax attention over the whole sequence: (out, lse), differentiable."""
+    z = Q @ K.transpose(-2, -1) / math.sqrt(D_)                               # (b, a, s, s)
+    if causal:
+        s = z.shape[-1]
+        z = z.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(z, -1)                                              # (b, a, s)
+    return torch.softmax(z, -1) @ V, lse
+
+
+def _mine(n: int, me: int) -> slice:
+    return slice(me * SL_, (me + 1) * SL_)
+
+
+def _block_label(piece: torch.Tensor, K, V, n: int) -> tuple[str, int] | None:
+    """('key', r) or ('value', r) if ``piece`` (flattened) is rank r's key or value block."""
+    for kind, whole in (("key", K), ("value", V)):
+        for r in range(n):
+            block = whole[:, :, _mine(n, r)].reshape(-1)
+            if piece.numel() == block.numel() and piece.dtype == block.dtype and torch.equal(piece, block):
+                return kind, r
+    return None
+
+
+def ring_links(calls, n: int, me: int) -> list[str]:
+    """Problems with whom the messages went to and came from."""
+    problems = []
+    sends, recvs = calls_of(calls, "send"), calls_of(calls, "recv")
+    right, left = (me + 1) % n, (me - 1) % n
+    others = sorted({s.peer for s in sends if s.peer != right})
+    if others:
+        problems.append(f"it sent to group rank{'s' if len(others) > 1 else ''} {others}: on a ring each rank "
+                        f"sends only to its right neighbour, group rank {right}")
+    sources = sorted({-1 if r.peer is None else r.peer for r in recvs if r.peer != left})
+    if sources:
+        said = ", ".join("any source" if s == -1 else str(s) for s in sources)
+        problems.append(f"it received from {said}: on a ring each rank receives only from its left neighbour, "
+                        f"group rank {left}")
+    got, sent = sum(r.elements for r in recvs), sum(s.elements for s in sends)
+    if got != sent:
+        problems.append(f"it received {got} elements but sent {sent}: on a ring every rank receives as much as "
+                        "it passes on")
+    return problems
+
+
+def kv_messages(sends, K, V, n: int, me: int) -> list[str]:
+    """Problems with what the forward pass's messages carried: at step j (1-based) a rank passes on
+    the key and value blocks of group rank me − j + 1, the ones it received at step j − 1."""
+    N = B_ * A_ * SL_ * D_
+    labels = []
+    for i, s in enumerate(sends):
+        flat = s.data.reshape(-1)
+        if flat.numel() % N:
+            return [f"send {i + 1} held {flat.numel()} elements; a message holds whole key and value blocks of "
+                    f"b·a·(s/P)·d = {N} elements each (send k and v apart, or stacked with torch.stack)"]
+        for piece in flat.split(N):
+            label = _block_label(piece, K, V, n)
+            if label is None:
+                return [f"send {i + 1} carried values that are no rank's key or value block: pass the blocks on "
+                        "unchanged"]
+            labels.append(label)
+    want = {(kind, (me - j) % n) for j in range(n - 1) for kind in ("key", "value")}
+    problems = []
+    for kind, r in sorted(want - set(labels), key=lambda x: ((me - x[1]) % n, x[0])):
+        step = (me - r) % n + 1
+        problems.append(f"it never passed on group rank {r}'s {kind} block (the block it holds at step {step}); "
+                        f"every block must reach all {n} ranks")
+    twice = sorted({lab for lab in labels if labels.count(lab) > 1})
+    if twice:
+        kind, r = twice[0]
+        problems.append(f"it passed on group rank {r}'s {kind} block {labels.count(twice[0])} times; each block "
+                        "moves once per step")
+    home = sorted({r for _, r in labels if (me - r) % n == n - 1})
+    if home:
+        problems.append(f"it passed on group rank {home[0]}'s block, which it received at the last step: that "
+                        "block's next stop is its own rank, which needs no copy (P − 1 moves)")
+    distances = [(me - r) % n for _, r in labels]
+    if not problems and distances != sorted(distances):
+        problems.append("it passed the blocks on out of ring order: at step j a rank passes on the block it "
+                        "received at step j − 1 (its own at step 1)")
+    return problems
+
+
+def _bytes_problem(sends, want: int, formula: str) -> list[str]:
+    sent = sum(s.bytes for s in sends)
+    return [] if sent == want else [f"it sent {sent} bytes; {formula} = {want} bytes"]
+
+
+def _diagnose(got, want: torch.Tensor, what: str, others: dict[str, torch.Tensor]) -> str:
+    """Words for a wrong output or lse: an overflow, or which wrong answer it equals."""
+    if isinstance(got, torch.Tensor) and got.shape == want.shape and not bool(torch.isfinite(got).all()):
+        rows = sorted({int(i) for i in torch.nonzero(~torch.isfinite(got))[:, 2]})
+        return (f"; {what} holds NaN or inf in query row{'s' if len(rows) > 1 else ''} {rows} of this rank (row 0 "
+                f"holds a score of {LOUD:.0f}): exp of a score or of a log-sum-exp that large "
+                "overflows — merge with the larger log-sum-exp subtracted first (chapter 04's merge)")
+    for words, value in others.items():
+        if isinstance(got, torch.Tensor) and got.shape == value.shape and torch.allclose(got, value, **TOL):
+            return f"; it is {words}"
+    return ""
+
+
+def _wrong_attention(Q, K, V, n: int, me: int, causal: bool) -> dict[str, dict[str, torch.Tensor]]:
+    """Plausible wrong results, for the words of a failing check: attention to this rank's own block only,
+    and attention with the other masking."""
+    mine = _mine(n, me)
+    own_out, own_lse = dense(Q[:, :, mine], K[:, :, mine], V[:, :, mine], causal)
+    flip_out, flip_lse = dense(Q, K, V, not causal)
+    other = "with a causal mask, though this case has none" if not causal else \
+        "without the causal mask: a query sees only the keys at or before its position"
+    return {"out": {"attention to this rank's own keys only: the other ranks' blocks never arrived or never "
+                    "merged": own_out, other: flip_out[:, :, mine]},
+            "lse": {"the log-sum-exp over this rank's own keys only": own_lse, other: flip_lse[:, :, mine]}}
+
+
+# ---------------------------------------------------------------------------- part 1: the forward ring
+
+def _summary_forward(facts: dict) -> str:
+    return (f"{facts['n']} ranks{', causal' if facts['causal'] else ''}: out and lse equal dense attention's "
+            f"(loud rows included); each rank passed {facts['n'] - 1} key/value block pair"
+            f"{'s' if facts['n'] > 2 else ''} to its right neighbour, {facts['sent']} bytes = "
+            "(P−1)·2·b·a·(s/P)·d·e")
+
+
+@lab("ring_attention", ("ring_attention",), params=PARAMS, forbid_ops=COLLECTIVES,
+     forbid_modules=("intralayer.context_parallel",), why=WHY, summary=_summary_forward)
+def check_forward(ns, case, group) -> dict:
+    n, me = group_info(group)
+    causal = case["causal"]
+    Q, K, V = inputs(case, n)
+    mine = _mine(n, me)
+    q, k, v = (t[:, :, mine].clone() for t in (Q, K, V))
+    with watch() as calls:
+        got = ns.ring_attention(q, k, v, group, causal)
+    out_d, lse_d = dense(Q, K, V, causal)
+    problems = []
+    if not (isinstance(got, tuple) and len(got) == 2):
+        what = f"a tuple of {len(got)}" if isinstance(got, tuple) else f"a {type(got).__name__}"
+        problems.append(f"ring_attention returned {what}; it should return (out, lse): this rank's (b, a, s/P, d) "
+                        "rows of the output and their (b, a, s/P) log-sum-exps")
+    else:
+        wrongs = _wrong_attention(Q, K, V, n, me, causal)
+        for value, want, name in ((got[0], out_d[:, :, mine], "out"), (got[1], lse_d[:, :, mine], "lse")):
+            wrong = differ(value, want, name, **TOL)
+            if wrong:
+                problems.append(wrong + _diagnose(value, want, name, wrongs[name]))
+    problems += ring_links(calls, n, me)
+    sends = calls_of(calls, "send")
+    block = B_ * A_ * SL_ * D_ * Q.element_size()
+    problems += _bytes_problem(sends, 2 * (n - 1) * block, f"a ring passes every key and value block on P − 1 "
+                               f"times (P = {n}): (P−1)·2·b·a·(s/P)·d·e")
+    problems += kv_messages(sends, K, V, n, me)
+    return {"problems": problems, "facts": {"n": n, "causal": causal, "sent": sum(s.bytes for s in sends)}}
+
+
+# ---------------------------------------------------------------------------- part 2: the backward ring
+
+def _summary_backward(facts: dict) -> str:
+    moves = f"{facts['n'] - 1} move{'s' if facts['n'] > 2 else ''} of K, V"
+    return (f"{facts['n']} ranks{', causal' if facts['causal'] else ''}: out and the gradients of q, k and v equal "
+            f"dense attention's; forward {facts['forward']} bytes ({moves}), backward {facts['backward']} bytes "
+            f"({moves} and {facts['n']} of dK, dV)")
+
+
+@lab("ring_attention_backward", ("RingAttention",), params=PARAMS, forbid_ops=COLLECTIVES,
+     forbid_modules=("intralayer.context_parallel",), why=WHY, summary=_summary_backward)
+def check_backward(ns, case, group) -> dict:
+    n, me = group_info(group)
+    causal = case["causal"]
+    Q, K, V = inputs(case, n)
+    U = torch.randn(Q.shape, generator=torch.Generator().manual_seed(5 + case["seed"]), dtype=torch.float64)
+    Ql, Kl, Vl = (t.clone().requires_grad_() for t in (Q, K, V))
+    out_d, _ = dense(Ql, Kl, Vl, causal)
+    (out_d * U).sum().backward()                                              # the loss of every rank's rows
+    mine = _mine(n, me)
+    q, k, v = (t[:, :, mine].clone().requires_grad_() for t in (Q, K, V))
+    with watch() as forward:
+        out = ns.RingAttention.apply(q, k, v, group, causal)
+    problems = []
+    block = B_ * A_ * SL_ * D_ * Q.element_size()
+    wrong = differ(out, out_d.detach()[:, :, mine], "the output", **TOL)
+    if wrong:
+        problems.append(wrong + _diagnose(out, out_d.detach()[:, :, mine], "the output", {}))
+    problems += [f"the forward pass: {p}" for p in ring_links(forward, n, me) + _bytes_problem(
+        calls_of(forward, "send"), 2 * (n - 1) * block, f"the forward pass moves each key and value block P − 1 "
+        f"times (P = {n}): (P−1)·2·b·a·(s/P)·d·e")]
+    backward = []
+    if isinstance(out, torch.Tensor) and out.requires_grad and out.shape == q.shape:
+        with watch() as backward:
+            out.backward(U[:, :, mine].clone())
+        grads = {"q": (q.grad, Ql.grad[:, :, mine]), "k": (k.grad, Kl.grad[:, :, mine]),
+                 "v": (v.grad, Vl.grad[:, :, mine])}
+        bad = []
+        for name, (got, want) in grads.items():
+            wrong = differ(got, want, f"{name}.grad", **TOL)
+            if wrong:
+                bad.append(name)
+                problems.append(wrong + _diagnose(got, want, f"{name}.grad", {}))
+        if bad and "v" not in bad:
+            problems.append("v.grad is right but " + " and ".join(f"{b}.grad" for b in bad)
+                            + (" is" if len(bad) == 1 else " are") + " not: the softmax backward's "
+                            "D = rowsum(dO ⊙ O) needs the final output O, merged over every block, and each "
+                            "block's probabilities exp(z − lse) the final lse")
+        problems += [f"the backward pass: {p}" for p in ring_links(backward, n, me) + _bytes_problem(
+            calls_of(backward, "send"), (2 * n - 1) * 2 * block, f"the backward pass moves K and V P − 1 times and "
+            f"dK and dV P times (with their block, then home; P = {n}): (2P−1)·2·b·a·(s/P)·d·e")]
+    elif isinstance(out, torch.Tensor) and not out.requires_grad:
+        problems.append("the output does not require a gradient: return a tensor computed in forward, as "
+                        "torch.autograd.Function.apply does")
+    return {"problems": problems, "facts": {"n": n, "causal": causal,
+                                            "forward": sum(s.bytes for s in calls_of(forward, "send")),
+                                            "backward": sum(s.bytes for s in calls_of(backward, "send"))}}
+
+
+# ---------------------------------------------------------------------------- bug hunt: the backward's blocks
+
+def _ring_step(tensors, group):
+    """One move round the ring: send each tensor to the right neighbour, receive the left one's."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    incoming = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), group=group, group_peer=(me + 1) % P) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=(me - 1) % P) for t in incoming]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return incoming
+
+
+def _scores(q, k):
+    return q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])                # (b, a, s/P, s/P)
+
+
+def _ring_forward(q, k, v, group):
+    """Every block's attention, merged by log-sum-exp as the blocks go round: (out, lse)."""
+    P = dist.get_world_size(group)
+    held = [k, v]
+    for step in range(P):
+        z = _scores(q, held[0])
+        block_lse = torch.logsumexp(z, -1)                                   # (b, a, s/P)
+        block_out = torch.exp(z - block_lse[..., None]) @ held[1]            # (b, a, s/P, d)
+        if step == 0:
+            out, lse = block_out, block_lse
+        else:
+            new = torch.logaddexp(lse, block_lse)
+            out = torch.exp(lse - new)[..., None] * out + torch.exp(block_lse - new)[..., None] * block_out
+            lse = new
+        if step < P - 1:
+            held = _ring_step(held, group)
+    return out, lse
+
+
+class RingAttentionStaleKV(torch.autograd.Function):
+    """Ring attention whose backward computes every step against the block saved in the forward pass."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        out, lse = _ring_forward(q, k, v, group)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        P, scale = dist.get_world_size(ctx.group), 1 / math.sqrt(q.shape[-1])
+        delta = (dout * out).sum(-1, keepdim=True)                           # D = rowsum(dO ⊙ O)
+        dq, held, moving = torch.zeros_like(q), [k, v], [torch.zeros_like(k), torch.zeros_like(v)]
+        for step in range(P):
+            kb, vb = k, v                      # the blocks saved in forward (this rank's own), not `held`
+            p = torch.exp(_scores(q, kb) - lse[..., None])                   # the softmax's columns of this block
+            ds = p * (dout @ vb.transpose(-2, -1) - delta)
+            dq += ds @ kb * scale
+            moving = [moving[0] + ds.transpose(-2, -1) @ q * scale, moving[1] + p.transpose(-2, -1) @ dout]
+            moving = _ring_step(moving, ctx.group)                           # dK, dV travel with their block
+            if step < P - 1:
+                held = _ring_step(held, ctx.group)
+        return dq, moving[0], moving[1], None
+
+
+class RingAttentionCorrect(torch.autograd.Function):
+    """Ring attention whose backward computes each step against the block it holds."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        out, lse = _ring_forward(q, k, v, group)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        P, scale = dist.get_world_size(ctx.group), 1 / math.sqrt(q.shape[-1])
+        delta = (dout * out).sum(-1, keepdim=True)                           # D = rowsum(dO ⊙ O)
+        dq, held, moving = torch.zeros_like(q), [k, v], [torch.zeros_like(k), torch.zeros_like(v)]
+        for step in range(P):
+            kb, vb = held
+            p = torch.exp(_scores(q, kb) - lse[..., None])
+            ds = p * (dout @ vb.transpose(-2, -1) - delta)
+            dq += ds @ kb * scale
+            moving = [moving[0] + ds.transpose(-2, -1) @ q * scale, moving[1] + p.transpose(-2, -1) @ dout]
+            moving = _ring_step(moving, ctx.group)
+            if step < P - 1:
+                held = _ring_step(held, ctx.group)
+        return dq, moving[0], moving[1], None
+
+
+class RingAttentionBlockD(torch.autograd.Function):
+    """Ring attention whose backward takes D = rowsum(dO ⊙ O) from each block's own output."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        out, lse = _ring_forward(q, k, v, group)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        P, scale = dist.get_world_size(ctx.group), 1 / math.sqrt(q.shape[-1])
+        dq, held, moving = torch.zeros_like(q), [k, v], [torch.zeros_like(k), torch.zeros_like(v)]
+        for step in range(P):
+            kb, vb = held
+            z = _scores(q, kb)
+            p = torch.exp(z - lse[..., None])
+            block_out = torch.softmax(z, -1) @ vb                            # this block's own output O_j
+            ds = p * (dout @ vb.transpose(-2, -1) - (dout * block_out).sum(-1, keepdim=True))   # D from O_j
+            dq += ds @ kb * scale
+            moving = [moving[0] + ds.transpose(-2, -1) @ q * scale, moving[1] + p.transpose(-2, -1) @ dout]
+            moving = _ring_step(moving, ctx.group)
+            if step < P - 1:
+                held = _ring_step(held, ctx.group)
+        return dq, moving[0], moving[1], None
+
+
+def ring_attention_stale_kv(q, k, v, group):
+    """Ring attention whose backward reuses this rank's own key/value block at every step."""
+    return RingAttentionStaleKV.apply(q, k, v, group)
+
+
+def ring_attention_correct(q, k, v, group):
+    """Ring attention, forward and backward."""
+    return RingAttentionCorrect.apply(q, k, v, group)
+
+
+def ring_attention_block_d(q, k, v, group):
+    """Ring attention whose backward takes D from each block's own output."""
+    return RingAttentionBlockD.apply(q, k, v, group)
+
+
+hunt("ring_backward_blocks", "test_ring_attention", {
+    "stale_kv": Implementation(ring_attention_stale_kv, True, "huggingface/diffusers#14265"),
+    "correct": Implementation(ring_attention_correct, False),
+    "block_d": Implementation(ring_attention_block_d, True, "tenstorrent/tt-metal#53205"),
+}, hint="the forward pass is right in every version, and one of them gets v's gradient right: compare the "
+        "gradients of q, k and v — all three — with those of dense attention over the whole sequence, on every "
+        "rank, with keys and values that differ from rank to rank")

@@ -1,0 +1,356 @@
+"""Wrong answers to lab 04 (ring attention on real ranks) and its bug hunt (a backward pass with a stale block)."""
+import math
+
+import torch
+import torch.distributed as dist
+
+from intralayer import context_parallel as cp
+
+
+def _step(tensors, group, to=1):
+    """One move: send to the rank ``to`` places on, receive from the rank ``to`` places back."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    incoming = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), group=group, group_peer=(me + to) % P) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=(me - to) % P) for t in incoming]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return incoming
+
+
+def _scores(q, k, owner, me, causal):
+    if causal and owner > me:
+        return None
+    z = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if causal and owner == me:
+        n = z.shape[-1]
+        z = z.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return z
+
+
+def _merge(out, lse, block_out, block_lse):
+    new = torch.logaddexp(lse, block_lse)
+    return torch.exp(lse - new)[..., None] * out + torch.exp(block_lse - new)[..., None] * block_out, new
+
+
+def _ring(q, k, v, group, causal, moves=None, to=1):
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    held = [k, v]
+    moves = P - 1 if moves is None else moves
+    for step in range(P):
+        z = _scores(q, held[0], (me - step * to) % P, me, causal)
+        if z is not None:
+            out, lse = _merge(out, lse, torch.softmax(z, -1) @ held[1], torch.logsumexp(z, -1))
+        if step < moves:
+            held = _step(held, group, to)
+    return out, lse
+
+
+# ------------------------------------------------------------------ ring_attention (forward)
+
+def ring_naive_merge(q, k, v, group, causal):
+    """Merges with exp of the log-sum-exps themselves: overflows on the loud rows."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    num, den = torch.zeros_like(q), torch.zeros(q.shape[:-1], dtype=q.dtype)
+    held = [k, v]
+    for step in range(P):
+        z = _scores(q, held[0], (me - step) % P, me, causal)
+        if z is not None:
+            w = torch.exp(z)                                   # exp(1000) = inf
+            num, den = num + w @ held[1], den + w.sum(-1)
+        if step < P - 1:
+            held = _step(held, group)
+    return num / den[..., None], torch.log(den)
+
+
+def ring_naive_weights(q, k, v, group, causal):
+    """A stable lse, but the outputs weighted by exp(lse) / exp(new lse): inf / inf on the loud rows."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    held = [k, v]
+    for step in range(P):
+        z = _scores(q, held[0], (me - step) % P, me, causal)
+        if z is not None:
+            block_out, block_lse = torch.softmax(z, -1) @ held[1], torch.logsumexp(z, -1)
+            new = torch.logaddexp(lse, block_lse)
+            out = (torch.exp(lse)[..., None] * out + torch.exp(block_lse)[..., None] * block_out) \
+                / torch.exp(new)[..., None]
+            lse = new
+        if step < P - 1:
+            held = _step(held, group)
+    return out, lse
+
+
+def ring_own_block_only(q, k, v, group, causal):
+    """Attends to this rank's own keys and sends nothing."""
+    z = _scores(q, k, 0, 0, causal)
+    return torch.softmax(z, -1) @ v, torch.logsumexp(z, -1)
+
+
+def ring_sends_to_everyone(q, k, v, group, causal):
+    """Sends its own block straight to every other rank: an all-gather by hand, no ring."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    for j in range(1, P):
+        got = [torch.empty_like(k), torch.empty_like(v)]
+        ops = [dist.P2POp(dist.isend, t, group=group, group_peer=(me + j) % P) for t in (k, v)]
+        ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=(me - j) % P) for t in got]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+        z = _scores(q, got[0], (me - j) % P, me, causal)
+        if z is not None:
+            out, lse = _merge(out, lse, torch.softmax(z, -1) @ got[1], torch.logsumexp(z, -1))
+    z = _scores(q, k, me, me, causal)
+    return _merge(out, lse, torch.softmax(z, -1) @ v, torch.logsumexp(z, -1))
+
+
+def ring_one_move_too_many(q, k, v, group, causal):
+    """Passes the blocks on after the last step too: P moves, the last one sending each block home."""
+    P = dist.get_world_size(group)
+    return _ring(q, k, v, group, causal, moves=P)
+
+
+def ring_ignores_causal(q, k, v, group, causal):
+    return _ring(q, k, v, group, False)
+
+
+def ring_gathers(q, k, v, group, causal):
+    """All-gathers the keys and values (Llama 3's way), not a ring."""
+    P = dist.get_world_size(group)
+    ks, vs = [torch.empty_like(k) for _ in range(P)], [torch.empty_like(v) for _ in range(P)]
+    dist.all_gather(ks, k.contiguous(), group=group)
+    dist.all_gather(vs, v.contiguous(), group=group)
+    z = q @ torch.cat(ks, 2).transpose(-2, -1) / math.sqrt(q.shape[-1])
+    return torch.softmax(z, -1) @ torch.cat(vs, 2), torch.logsumexp(z, -1)
+
+
+def ring_resends_own_block(q, k, v, group, causal):
+    """Sends its own block at every step instead of passing on the one it received."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    held = [k, v]
+    for step in range(P):
+        z = _scores(q, held[0], (me - step) % P, me, causal)
+        if z is not None:
+            out, lse = _merge(out, lse, torch.softmax(z, -1) @ held[1], torch.logsumexp(z, -1))
+        if step < P - 1:
+            held = _step([k, v], group)
+    return out, lse
+
+
+def ring_leftwards(q, k, v, group, causal):
+    """Sends to the left neighbour and receives from the right: the right result, the wrong ring."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    held = [k, v]
+    for step in range(P):
+        z = _scores(q, held[0], (me + step) % P, me, causal)
+        if z is not None:
+            out, lse = _merge(out, lse, torch.softmax(z, -1) @ held[1], torch.logsumexp(z, -1))
+        if step < P - 1:
+            held = _step(held, group, to=-1)
+    return out, lse
+
+
+def ring_library(q, k, v, group, causal):
+    return cp.ring_attention(q, k, v, group, causal), None
+
+
+# ------------------------------------------------------------------ RingAttention (backward)
+
+def _grads(q, k, v, out, lse, dout, group, causal, block_d=False, local_p=False, travel=True, kv_moves=None,
+           home=True):
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    scale = 1 / math.sqrt(q.shape[-1])
+    delta = (dout * out).sum(-1, keepdim=True)
+    dq = torch.zeros_like(q)
+    held, moving = [k, v], [torch.zeros_like(k), torch.zeros_like(v)]
+    kv_moves = P - 1 if kv_moves is None else kv_moves
+    for step in range(P):
+        z = _scores(q, held[0], (me - step) % P, me, causal)
+        if z is not None:
+            p = torch.softmax(z, -1) if local_p else torch.exp(z - lse[..., None])
+            d = (dout * (torch.softmax(z, -1) @ held[1])).sum(-1, keepdim=True) if block_d else delta
+            dz = p * (dout @ held[1].transpose(-2, -1) - d)
+            dq += dz @ held[0] * scale
+            moving = [moving[0] + dz.transpose(-2, -1) @ q * scale, moving[1] + p.transpose(-2, -1) @ dout]
+        if travel and (home or step < P - 1):
+            moving = _step(moving, group)
+        if step < kv_moves:
+            held = _step(held, group)
+    return dq, moving[0], moving[1], None, None
+
+
+class BackwardNoTravel(torch.autograd.Function):
+    """dK and dV stay on the rank that computed them: each rank's are partial sums for other ranks' blocks."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal):
+        out, lse = _ring(q, k, v, group, causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal = group, causal
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return _grads(q, k, v, out, lse, dout, ctx.group, ctx.causal, travel=False)
+
+
+class BackwardBlockD(torch.autograd.Function):
+    """D = rowsum(dO ⊙ O_j) from each block's own output O_j (tenstorrent/tt-metal#53205)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal):
+        out, lse = _ring(q, k, v, group, causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal = group, causal
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return _grads(q, k, v, out, lse, dout, ctx.group, ctx.causal, block_d=True)
+
+
+class BackwardBlockSoftmax(torch.autograd.Function):
+    """Recomputes each block's probabilities with the block's own softmax, not the final lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal):
+        out, lse = _ring(q, k, v, group, causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal = group, causal
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return _grads(q, k, v, out, lse, dout, ctx.group, ctx.causal, local_p=True)
+
+
+class BackwardKVHomeToo(torch.autograd.Function):
+    """Right gradients, but the key/value blocks also make a P-th move, home, for nothing."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal):
+        out, lse = _ring(q, k, v, group, causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal = group, causal
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return _grads(q, k, v, out, lse, dout, ctx.group, ctx.causal,
+                      kv_moves=dist.get_world_size(ctx.group))
+
+
+class BackwardGradsNotHome(torch.autograd.Function):
+    """dK and dV travel with their block but stop one move short of home."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal):
+        out, lse = _ring(q, k, v, group, causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal = group, causal
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return _grads(q, k, v, out, lse, dout, ctx.group, ctx.causal, home=False)
+
+
+class BackwardLibrary(torch.autograd.Function):
+    """Hands the work to the library's ring attention."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal):
+        return cp.ring_attention(q, k, v, group, causal)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return dout, dout, dout, None, None
+
+
+# ------------------------------------------------------------------ bug hunt
+
+def _setup(P, me, same_blocks=False):
+    b, a, sl, d = 1, 2, 3, 4
+    g = torch.Generator().manual_seed(0)
+    Q, K, V, U = (torch.randn(b, a, P * sl, d, generator=g, dtype=torch.float64) for _ in range(4))
+    if same_blocks:                                        # every rank holds the same keys and values
+        K, V = K[:, :, :sl].repeat(1, 1, P, 1), V[:, :, :sl].repeat(1, 1, P, 1)
+    Qd, Kd, Vd = (t.clone().requires_grad_() for t in (Q, K, V))
+    dense = torch.softmax(Qd @ Kd.transpose(-2, -1) / math.sqrt(d), dim=-1) @ Vd
+    (dense * U).sum().backward()
+    mine = slice(me * sl, (me + 1) * sl)
+    q, k, v = (t[:, :, mine].clone().requires_grad_() for t in (Q, K, V))
+    return Qd, Kd, Vd, U, dense, mine, q, k, v
+
+
+def test_forward_only(ring_attention, group):
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    Qd, Kd, Vd, U, dense, mine, q, k, v = _setup(P, me)
+    out = ring_attention(q, k, v, group)
+    assert torch.allclose(out, dense[:, :, mine], rtol=1e-10, atol=1e-10)
+
+
+def test_v_grad_only(ring_attention, group):
+    """Checks the output and v.grad: misses a wrong D, which leaves v.grad exact."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    Qd, Kd, Vd, U, dense, mine, q, k, v = _setup(P, me)
+    out = ring_attention(q, k, v, group)
+    (out * U[:, :, mine]).sum().backward()
+    assert torch.allclose(out, dense[:, :, mine], rtol=1e-10, atol=1e-10)
+    assert torch.allclose(v.grad, Vd.grad[:, :, mine], rtol=1e-10, atol=1e-10)
+
+
+def test_same_blocks_everywhere(ring_attention, group):
+    """Gives every rank the same keys and values: a stale block then equals the right one."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    Qd, Kd, Vd, U, dense, mine, q, k, v = _setup(P, me, same_blocks=True)
+    out = ring_attention(q, k, v, group)
+    (out * U[:, :, mine]).sum().backward()
+    assert torch.allclose(q.grad, Qd.grad[:, :, mine], rtol=1e-10, atol=1e-10)
+
+
+def test_against_own_block(ring_attention, group):
+    """Compares with attention over this rank's own keys only: fails on the correct function."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    Qd, Kd, Vd, U, dense, mine, q, k, v = _setup(P, me)
+    out = ring_attention(q, k, v, group)
+    (out * U[:, :, mine]).sum().backward()
+    local = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), -1) @ v
+    assert torch.allclose(out, local, rtol=1e-10, atol=1e-10)
+
+
+WRONG = [
+    ("ring_attention_check", ring_naive_merge, ["NaN or inf", "overflows", "holds a score of 1000"]),
+    ("ring_attention_check", ring_naive_weights, ["out is off by up to nan", "out holds NaN or inf", "overflows"]),
+    ("ring_attention_check", ring_own_block_only, ["own keys only", "never passed on", "it sent 0 bytes"]),
+    ("ring_attention_check", ring_sends_to_everyone, ["it sent to group ranks", "right neighbour"]),
+    ("ring_attention_check", ring_one_move_too_many, ["next stop is its own rank", "P − 1 times (P = 2)"]),
+    ("ring_attention_check", ring_ignores_causal, ["without the causal mask"]),
+    ("ring_attention_check", ring_gathers, ["all-gather is not allowed here", "point-to-point"]),
+    ("ring_attention_check", ring_resends_own_block, ["times; each block moves once per step"]),
+    ("ring_attention_check", ring_leftwards, ["it sent to group rank", "only to its right neighbour"]),
+    ("ring_attention_check", ring_library, ["uses cp", "library's own ring attention"]),
+    ("ring_attention_backward_check", BackwardNoTravel, ["k.grad is off", "the backward pass: it sent"]),
+    ("ring_attention_backward_check", BackwardBlockD, ["v.grad is right but q.grad and k.grad are not",
+                                                       "the final output O"]),
+    ("ring_attention_backward_check", BackwardBlockSoftmax, ["q.grad is off", "k.grad is off"]),
+    ("ring_attention_backward_check", BackwardKVHomeToo, ["the backward pass: it sent", "(2P−1)·2·b·a·(s/P)·d·e"]),
+    ("ring_attention_backward_check", BackwardGradsNotHome, ["k.grad is off", "dK and dV P times"]),
+    ("ring_attention_backward_check", BackwardLibrary, ["uses cp", "library's own ring attention"]),
+    ("test_ring_attention_check", test_forward_only, ["passes on the buggy", "does not catch the bug",
+                                                      "diffusers#14265"]),
+    ("test_ring_attention_check", test_v_grad_only, ["passes on the buggy", "takes D from each block's own output",
+                                                     "tt-metal#53205"]),
+    ("test_ring_attention_check", test_same_blocks_everywhere, ["passes on the buggy",
+                                                                "keys and values that differ from rank to rank"]),
+    ("test_ring_attention_check", test_against_own_block, ["fails on the correct",
+                                                           "must pass on a correct implementation"]),
+]
