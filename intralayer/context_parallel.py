@@ -26,7 +26,6 @@ backward; :func:`counting` records how many attention scores each rank computed.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -97,17 +96,13 @@ def get_layout(layout: str) -> Layout:
 def n_chunks(P: int, layout: str) -> int:
     """How many equal chunks the sequence is cut into: P (contiguous, striped) or 2P (zigzag)."""
     lay = get_layout(layout)
-    if not isinstance(P, numbers.Integral) or isinstance(P, bool) or P < 1:
-        raise ValueError(f"the context-parallel degree P must be a whole number ≥ 1, got {P!r}")
-    return lay.per_rank * P
+    return lay.per_rank * _whole(P, "the context-parallel degree P")
 
 
 def chunk_ids(rank: int, P: int, layout: str) -> list[int]:
     """The chunks rank ``rank`` holds, in order: ``[r]``, or ``[r, 2P−1−r]`` under zigzag."""
     n_chunks(P, layout)
-    if not isinstance(rank, numbers.Integral) or isinstance(rank, bool) or not 0 <= rank < P:
-        raise ValueError(f"rank {rank} is not one of the P={P} ranks")
-    return LAYOUTS[layout].deal(rank, P)
+    return LAYOUTS[layout].deal(rules.index(rank, "rank ", P, f"the P={P} ranks"), P)
 
 
 def positions(rank: int, P: int, s: int, layout: str) -> list[int]:
@@ -120,9 +115,7 @@ def positions(rank: int, P: int, s: int, layout: str) -> list[int]:
 def check_sequence(s: int, P: int, layout: str) -> None:
     """``ValueError`` unless a sequence of ``s`` tokens cuts evenly for ``layout`` on P ranks."""
     n = n_chunks(P, layout)
-    if not isinstance(s, numbers.Integral) or isinstance(s, bool) or s < 1:
-        raise ValueError(f"sequence length must be a whole number ≥ 1, got {s!r}")
-    if s % n:
+    if _whole(s, "sequence length") % n:
         rule = f"{n // P}P" if n > P else "P"
         raise ValueError(f"sequence length {s} is not divisible by {rule} = {n} "
                          f"(the {layout} layout cuts it into {n} equal chunks)")
@@ -500,8 +493,7 @@ def cp_costs(s: int, b: int, heads: int, d: int, P: int, method: str, causal: bo
         raise ValueError(f"method must be 'ring' or 'ulysses', got {method!r}")
     for value, what in ((s, "sequence length"), (b, "batch"), (heads, "heads"), (d, "head dimension"),
                         (itemsize, "itemsize")):
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{what} must be a whole number ≥ 1, got {value!r}")
+        _whole(value, what)
     n_chunks(P, "contiguous")                                                   # P a whole number ≥ 1
     block = b * (s // P) * heads * d * itemsize                                  # one of q, k, v on a rank
     if method == "ring":

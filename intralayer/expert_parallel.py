@@ -37,17 +37,14 @@ from .rules import check_group_device as _check_group_device, whole as _whole
 
 def check_placement(experts: int, P: int) -> None:
     """``ValueError`` unless the experts split evenly over the P ranks."""
-    if not isinstance(P, int) or isinstance(P, bool) or P < 1:
-        raise ValueError(f"the expert-parallel degree P must be a whole number ≥ 1, got {P!r}")
+    _whole(P, "the expert-parallel degree P")
     if _whole(experts, "the number of experts") % P:
         raise ValueError(f"{experts} experts do not split evenly over P={P} ranks")
 
 
 def check_nodes(P: int, nodes: int) -> None:
     """``ValueError`` unless the P ranks form ``nodes`` equal nodes."""
-    if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
-        raise ValueError(f"the number of nodes must be a whole number ≥ 1, got {nodes!r}")
-    if P % nodes:
+    if P % _whole(nodes, "the number of nodes"):
         raise ValueError(f"{P} ranks do not split evenly into {nodes} nodes")
 
 

@@ -30,18 +30,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .rules import check_like, check_shape
+
 RECOMPUTE = ("none", "selective", "full")
-
-
-def check_shape(x: torch.Tensor, last: int, who: str, dims: tuple[int, ...] = (3,)) -> None:
-    """Raise a ``ValueError`` naming ``who`` unless ``x`` is a floating tensor ending in ``last``."""
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{who} expects a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise ValueError(f"{who} expects a floating-point tensor, got dtype {x.dtype}")
-    if x.dim() not in dims or x.shape[-1] != last:
-        want = " or ".join(f"{d} dimensions" for d in dims)
-        raise ValueError(f"{who} expects {want} with the last of size {last}, got shape {tuple(x.shape)}")
 
 
 def dropout_mask(shape: tuple[int, ...], p: float, generator: torch.Generator) -> torch.Tensor:
@@ -250,9 +241,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_shape(x, self.h, type(self).__name__)
-        if x.dtype != self.ln1.weight.dtype or x.device != self.ln1.weight.device:
-            raise ValueError(f"{type(self).__name__}: the input is {x.dtype} on {x.device} but the weights are "
-                             f"{self.ln1.weight.dtype} on {self.ln1.weight.device}")
+        check_like(x, "the input", self.ln1.weight, "ln1.weight", type(self).__name__)
         if self.recompute != "full":
             return self.layer(x)
         generators = [g for g in (self.generator, *(self.attn.generators or ())) if g is not None]

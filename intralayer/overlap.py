@@ -39,7 +39,6 @@ with the share of the GPU a communication kernel takes while it runs.
 from __future__ import annotations
 
 import json
-import numbers
 from pathlib import Path
 
 import torch
@@ -47,10 +46,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from . import comm
+from . import comm, rules
 from .collectives import collective_time
 from .rules import check_group_device as _check_group_device, check_like as _check_like, \
-    check_tensor as _check_tensor
+    check_tensor as _check_tensor, whole as _whole
 
 SCHEDULES = ("ring", "bidirectional", "chunked", "sequential")
 
@@ -64,8 +63,7 @@ def ring_reach(P: int, bidirectional: bool) -> tuple[int, int]:
     ranks. One-way: ``(P−1, 0)``. Both ways: ``(⌈(P−1)/2⌉, ⌊(P−1)/2⌋)``, so the ring takes
     ⌈(P−1)/2⌉ = ⌊P/2⌋ steps instead of P−1.
     """
-    if not isinstance(P, numbers.Integral) or isinstance(P, bool) or P < 1:
-        raise ValueError(f"the ring needs a whole number of ranks P ≥ 1, got {P!r}")
+    _whole(P, "the ring's size", unit="ranks P")
     if not bidirectional:
         return P - 1, 0
     return P // 2, (P - 1) // 2
@@ -79,8 +77,7 @@ def ring_order(P: int, r: int, bidirectional: bool = False) -> list[list[int]]:
     still has that far to go.
     """
     forward, backward = ring_reach(P, bidirectional)
-    if not isinstance(r, numbers.Integral) or not 0 <= r < P:
-        raise ValueError(f"rank r={r!r} must be one of 0..{P - 1}")
+    r = rules.index(r, "rank r=", P, f"the P={P} ranks of the ring")
     steps = [[r]]
     for s in range(1, forward + 1):
         steps.append([(r - s) % P] + ([(r + s) % P] if s <= backward else []))
@@ -98,16 +95,11 @@ def _check(x, weight, dim, chunks, schedule, who, group=None) -> int:
     if x.shape[-1] != in_features:
         raise ValueError(f"{who}: x's last dimension {x.shape[-1]} does not match the weight's "
                          f"in_features {in_features}")
-    if x.dtype != weight.dtype or x.device != weight.device:
-        raise ValueError(f"{who}: x and the weight must share dtype and device: x is {x.dtype} on {x.device}, "
-                         f"the weight {weight.dtype} on {weight.device}")
-    if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"{who}: dim={dim} is out of range for a tensor with {x.dim()} dimensions")
-    dim = dim % x.dim()
+    _check_like(x, "x", weight, "the weight", who)
+    dim = rules.check_dim(x, dim, who)
     if dim == x.dim() - 1:
         raise ValueError(f"{who}: dim={dim} is the feature dimension; gather or scatter tokens or sequence")
-    if not isinstance(chunks, numbers.Integral) or isinstance(chunks, bool) or chunks < 1:
-        raise ValueError(f"{who}: chunks must be a whole number ≥ 1, got {chunks!r}")
+    _whole(chunks, f"{who}: chunks")
     if schedule not in SCHEDULES:
         raise ValueError(f"{who}: schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
     _check_group_device(x, "x", who, group)
@@ -414,8 +406,7 @@ def mlp_microbatches(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, grou
     same), ``fc1`` is this rank's (ffn/t, h) slice, ``fc2`` its (h, ffn/t); the output is
     the replicated sum, as Megatron-LM's f and g make it.
     """
-    if not isinstance(micro_batches, numbers.Integral) or isinstance(micro_batches, bool) or micro_batches < 1:
-        raise ValueError(f"micro_batches must be a whole number ≥ 1, got {micro_batches!r}")
+    _whole(micro_batches, "micro_batches")
     _check_mlp(x, fc1, fc2, group)
     if x.shape[0] % micro_batches:
         raise ValueError(f"{x.shape[0]} rows do not split into {micro_batches} micro-batches")
@@ -552,16 +543,14 @@ def model_times(t: int, h: int, tokens: int, chunks: int, bandwidth: float, flop
     ``comm``, the sequential run's two parts.
     """
     for value, what in ((t, "t"), (h, "h"), (tokens, "tokens"), (chunks, "chunks")):
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{what} must be a whole number ≥ 1, got {value!r}")
+        _whole(value, what)
     if tokens % (t * chunks):
         raise ValueError(f"{tokens} tokens do not split into t={t} ranks × {chunks} chunks")
     if not (bandwidth > 0 and flops > 0):
         raise ValueError("bandwidth and FLOP rate must be > 0")
     if not (alpha >= 0 and overhead >= 0):
         raise ValueError(f"latency α={alpha} and per-kernel overhead {overhead} must be ≥ 0 seconds")
-    if not isinstance(itemsize, numbers.Integral) or isinstance(itemsize, bool) or itemsize < 1:
-        raise ValueError(f"itemsize must be a whole number of bytes ≥ 1, got {itemsize!r}")
+    _whole(itemsize, "itemsize", unit="bytes")
     if not 0 <= sm_fraction < 1:
         raise ValueError(f"sm_fraction={sm_fraction!r} must be in [0, 1): the share of the SMs communication holds")
     S = tokens * h * itemsize                                                   # the gathered input, bytes

@@ -1,12 +1,13 @@
 """Input checks every module shares, each a ``ValueError`` that names the rule and the numbers.
 
-- :func:`whole`: a count must be a whole number.
+- :func:`whole` and :func:`index`: a count must be a whole number, an index one of 0..size−1
+  (``numbers.Integral``, never ``bool``).
 - :func:`check_mesh`: the parallel degrees must divide the world size (callable before
   any process starts, like the modules' own rules: ``tensor_parallel.check_degrees``,
   ``sequence_parallel.check_sequence``, ``context_parallel.check_sequence`` and
   ``check_ulysses``, ``expert_parallel.check_placement``, ``planner.check_layout``, which
   calls it for a cluster's GPUs).
-- :func:`check_tensor`, :func:`check_like` and :func:`check_group_device`: what the
+- :func:`check_shape`, :func:`check_tensor`, :func:`check_like` and :func:`check_group_device`: what the
   parallel modules and functions check on their inputs before any collective, so that a
   wrong shape, dtype or device is a message naming the argument, what was expected and
   what came, not a shape mismatch inside a matmul or a peer left waiting in a collective.
@@ -21,19 +22,34 @@ import torch
 import torch.distributed as dist
 
 
-def whole(value, what: str, minimum: int = 1) -> int:
+def _is_whole(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def whole(value, what: str, minimum: int = 1, unit: str = "") -> int:
     """``value`` as an int, or a ``ValueError`` naming ``what`` unless it is a whole number ≥ ``minimum``."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{what} must be a whole number ≥ {minimum}, got {value!r}")
+    if not _is_whole(value) or value < minimum:
+        raise ValueError(f"{what} must be a whole number{f' of {unit}' if unit else ''} ≥ {minimum}, got {value!r}")
+    return int(value)
+
+
+def index(value, what: str, size: int, among: str) -> int:
+    """``value`` as an int, or a ``ValueError`` unless it is a whole number in 0..size−1.
+
+    ``what`` is written just before the value (``"rank "``, ``"rank r="``), ``among`` names
+    the ``size`` things it indexes (``"the P=4 ranks"``).
+    """
+    if not _is_whole(value) or not 0 <= value < size:
+        raise ValueError(f"{what}{value!r} is not one of {among}: it must be one of 0..{size - 1}")
     return int(value)
 
 
 # ---------------------------------------------------------------------------- the mesh
 
-def check_dim(x: torch.Tensor, dim: int) -> int:
+def check_dim(x: torch.Tensor, dim: int, who: str = "") -> int:
     """``dim`` as a non-negative index of one of ``x``'s dimensions (negative counts from the end)."""
     if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim={dim} is out of range for a tensor with {x.dim()} dimensions")
+        raise ValueError(f"{who + ': ' if who else ''}dim={dim} is out of range for a tensor with {x.dim()} dimensions")
     return dim % x.dim()
 
 
@@ -69,6 +85,20 @@ def _dims_text(dims) -> str:
     if len(dims) == 1:
         return f"{dims[0]} dimension{'s' if dims[0] != 1 else ''}"
     return ", ".join(str(d) for d in dims[:-1]) + f" or {dims[-1]} dimensions"
+
+
+def check_shape(x, last: int, who: str, dims: tuple[int, ...] = (3,)) -> None:
+    """``ValueError`` naming ``who`` unless ``x`` is a floating tensor of ``dims`` dimensions ending in ``last``.
+
+    The modules' own check on their input (``Block expects 3 dimensions with the last of size 16``).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{who} expects a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(f"{who} expects a floating-point tensor, got dtype {x.dtype}")
+    if x.dim() not in dims or x.shape[-1] != last:
+        want = " or ".join(f"{d} dimensions" for d in dims)
+        raise ValueError(f"{who} expects {want} with the last of size {last}, got shape {tuple(x.shape)}")
 
 
 def check_tensor(x, name: str, who: str, dims=None, last: int | None = None, floating: bool = True,

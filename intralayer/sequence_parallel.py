@@ -33,8 +33,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import comm
-from .model import Block, check_shape
-from .rules import whole as _whole
+from .model import Block
+from .rules import check_like, check_shape, whole as _whole
 from .tensor_parallel import (ColumnParallelLinear, ParallelAttention, ParallelBlock as TensorParallelBlock,
                               ParallelMLP, RowParallelLinear, check_degrees, degree)
 
@@ -86,9 +86,7 @@ class SequenceParallelColumnLinear(ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_shape(x, self.in_features, f"{type(self).__name__} (input (s/t, b, h))")
-        if x.device != self.weight.device or x.dtype != self.weight.dtype:
-            raise ValueError(f"{type(self).__name__}: the input is {x.dtype} on {x.device} but the weights are "
-                             f"{self.weight.dtype} on {self.weight.device}")
+        check_like(x, "the input", self.weight, "the weight", type(self).__name__)
         return _GatherLinear.apply(x, self.weight, self.bias, self.group, self.label, self.keep_gathered)
 
 

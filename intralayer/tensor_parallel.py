@@ -41,8 +41,8 @@ import torch.nn.functional as F
 
 from . import comm
 from .collectives import LINKS, collective_time
-from .rules import check_group_device as _check_group_device, whole as _whole
-from .model import Attention, Block, TinyGPT, check_shape
+from .model import Attention, Block, TinyGPT
+from .rules import check_group_device as _check_group_device, check_like, check_shape, whole as _whole
 
 
 # ---------------------------------------------------------------------------- rules
@@ -100,10 +100,7 @@ def _rows(full: torch.Tensor, t: int, r: int, parts: int = 1) -> torch.Tensor:
 
 
 def _same_device(x: torch.Tensor, param: torch.Tensor, who: str) -> None:
-    if x.device != param.device:
-        raise ValueError(f"{who}: the input is on {x.device} but the weights are on {param.device}")
-    if x.dtype != param.dtype:
-        raise ValueError(f"{who}: the input has dtype {x.dtype} but the weights have {param.dtype}")
+    check_like(x, "the input", param, "the weight", who)              # the name chapter 01 prints
 
 
 # ---------------------------------------------------------------------------- cost arithmetic
@@ -432,8 +429,7 @@ class RNGTracker:
         self._seeds: dict[int, str] = {}
 
     def add(self, name: str, seed: int) -> torch.Generator:
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"a seed must be a whole number ≥ 0, got {seed!r}")
+        seed = _whole(seed, "a seed", minimum=0)
         if name in self._generators:
             raise ValueError(f"the generator {name!r} already exists")
         if seed in self._seeds:
@@ -462,8 +458,7 @@ def model_parallel_seed(seed: int, rank: int, device: torch.device | str = "cpu"
     - ``"tensor-parallel"``: ``seed + 2718 + rank``, different on every rank — for dropout
       inside a split region (this rank's attention heads).
     """
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise ValueError(f"the tensor-parallel rank must be a whole number ≥ 0, got {rank!r}")
+    _whole(rank, "the tensor-parallel rank", minimum=0)
     tracker = RNGTracker(device)
     tracker.add("default", seed)
     tracker.add("tensor-parallel", seed + TP_SEED_OFFSET + rank)
