@@ -119,7 +119,7 @@ class Job:
     def assert_complete(self, nproc: int) -> None:
         """The check is not vacuous: every rank wrote its pid and torchrun was seen."""
         assert sorted(self.rank_pids()) == list(range(nproc)), f"pid files: {sorted(self.rank_pids())}"
-        agents = [pid for pid, cmd in self.cmdlines.items() if "torch.distributed.run" in cmd]
+        agents = [pid for pid, cmd in self.cmdlines.items() if "intralayer.launch" in cmd]   # torchrun's agent
         assert agents, f"torchrun was never seen; recorded: {list(self.cmdlines.values())}"
 
     def assert_none_left(self, within: float = 5.0) -> None:
@@ -253,15 +253,12 @@ def test_interrupting_a_launch_stops_every_rank(tmp_path):
 
 # ------------------------------------------------------------------ the message, from canned logs
 
-def _agent_log(failures: dict[int, tuple[int, int]], stopped: list[int]) -> str:
-    """Enough of torchrun's log for the launcher: its 'closing signal' lines for the pids
-    it stopped, and its failure summary, ``{rank: (exitcode, pid)}``."""
-    lines = [f"W1130 api.py:1028] Sending process {pid} closing signal SIGTERM" for pid in stopped]
-    lines += ["Failures:"]
-    for i, (rank, (code, pid)) in enumerate(failures.items()):
-        lines += [f"[{i}]:", "  host      : localhost", f"  rank      : {rank} (local_rank: {rank})",
-                  f"  exitcode  : {code} (pid: {pid})", "  error_file: <N/A>"]
-    return "\n".join(lines)
+def _failures(codes: dict[int, int], errors: dict[int, str] = {}) -> dict[int, dict]:
+    """What the launcher's torchrun agent reports, ``{rank: {exitcode, error}}``: the exit code
+    of each failed rank and, for a rank that raised under ``errors.record``, its record."""
+    return {rank: {"exitcode": code, "error": {"message": {"message": errors[rank], "extraInfo": {
+        "py_callstack": LOST_PEER.replace("[rank0]: ", ""), "timestamp": "1"}}} if rank in errors else {}}
+            for rank, code in codes.items()}
 
 
 LOST_PEER = """[rank0]: Traceback (most recent call last):
@@ -278,15 +275,19 @@ STOPPED_IN_BARRIER = """Current thread 0x00007f (most recent call first):
 """
 
 
-@pytest.mark.parametrize("by_torchrun", [False, True])
-def test_a_sigterm_is_blamed_only_when_torchrun_did_not_send_it(by_torchrun):
-    """Ranks torchrun stops end with SIGTERM too, so a SIGTERM counts as the cause only
-    for a pid that torchrun's log does not say it signalled; a rank it stopped is described
-    by the stack it printed (here: waiting in barrier). Unit test on canned logs."""
-    agent = _agent_log({0: (1, 100), 1: (-15, 101)}, stopped=[101] if by_torchrun else [])
-    result = launch.LaunchResult("prog", 2, 1.0, stderr={0: LOST_PEER, 1: STOPPED_IN_BARRIER})
-    message = launch._failure_message("prog", 2, 1, result, agent)
-    if by_torchrun:
+LOST_PEER_ERROR = "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:2782."
+
+
+@pytest.mark.parametrize("stopped", [False, True])
+def test_a_sigterm_is_blamed_only_for_a_rank_that_printed_no_stack(stopped):
+    """torchrun stops the other ranks with SIGTERM, on which every course rank prints its
+    stack (``distributed.setup``). So a SIGTERM counts as the cause only for a rank that
+    printed none; a rank that printed one is described by it (here: waiting in barrier),
+    and the rank with an error record is blamed. Unit test on canned records."""
+    failures = _failures({0: 1, 1: -15}, {0: LOST_PEER_ERROR})
+    result = launch.LaunchResult("prog", 2, 1.0, stderr={0: LOST_PEER, 1: STOPPED_IN_BARRIER if stopped else ""})
+    message = launch._failure_message("prog", 2, 1, result, failures)
+    if stopped:
         assert "Rank 0 failed in all_reduce; last lines of its stderr:" in message
         assert "rank 1 was still running when torchrun stopped it; it was in barrier at /x/prog.py:61 in main" \
             in message
@@ -296,10 +297,10 @@ def test_a_sigterm_is_blamed_only_when_torchrun_did_not_send_it(by_torchrun):
 
 
 def test_a_rank_that_exits_with_an_error_code_and_no_traceback_is_blamed():
-    """``sys.exit(3)`` or ``os._exit(3)`` on one rank leaves no traceback; it, not the
+    """``sys.exit(3)`` or ``os._exit(3)`` on one rank leaves no error record; it, not the
     peer that lost its connection to it, is the rank the message blames."""
-    agent = _agent_log({0: (1, 100), 1: (3, 101)}, stopped=[])
+    failures = _failures({0: 1, 1: 3}, {0: LOST_PEER_ERROR})
     result = launch.LaunchResult("prog", 2, 1.0, stderr={0: LOST_PEER, 1: "giving up: no data\n"})
-    message = launch._failure_message("prog", 2, 1, result, agent)
+    message = launch._failure_message("prog", 2, 1, result, failures)
     assert "Rank 1 exited with code 3 and wrote no traceback." in message
     assert "giving up: no data" in message

@@ -25,6 +25,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from intralayer import distributed
 from intralayer.collectives import OPS
@@ -81,6 +82,7 @@ def measure(op: str, S: int, d: distributed.Dist, repeats: int, warmup: int = 2)
     return min(times)
 
 
+@record
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--min-bytes", type=int, default=256)

@@ -27,6 +27,7 @@ import argparse
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from intralayer import comm, distributed
 from intralayer.collectives import ring_all_reduce
@@ -128,6 +129,7 @@ def report(d: distributed.Dist, rows, all_ok: bool) -> None:
               f"{comm.bus_factor(FACTOR[name], n):10.3f}  {HOW[name]}")
 
 
+@record
 def main(argv=None) -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     with distributed.setup() as d:

@@ -32,6 +32,7 @@ import json
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 import torch.nn.functional as F
 
 from intralayer import comm, distributed
@@ -83,6 +84,7 @@ def check(d, b, heads, s, dh, causal, seed) -> dict:
     return results
 
 
+@record
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # Long names: torchrun would take --s or --d for abbreviations of its own options.

@@ -40,6 +40,7 @@ import math
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from intralayer import comm, distributed
 from intralayer import expert_parallel as ep
@@ -159,6 +160,7 @@ def train_bias(E, k, T, P, skew, seed, steps=300, gamma=0.01) -> torch.Tensor:
     return bias
 
 
+@record
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=256, help="tokens per rank for parts 2-5")

@@ -28,8 +28,10 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 
+@record
 def main() -> None:
     rank = int(os.environ["RANK"])                          # set by torchrun, 0 … n−1
     world_size = int(os.environ["WORLD_SIZE"])              # n, the number of ranks

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.device_mesh import init_device_mesh
 
 from intralayer import comm, distributed
@@ -57,6 +58,7 @@ def reference(batches, dzs, device):
     return block, layer, outs
 
 
+@record
 def main() -> None:
     with distributed.setup() as d:
         if d.world_size != 4:

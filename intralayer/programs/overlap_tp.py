@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -256,6 +257,7 @@ def timings(d, tokens, hidden, chunks, repeats, dtype, trace_dir) -> dict:
 
 # ---------------------------------------------------------------------------- main
 
+@record
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--time", action="store_true", help="also measure (parts 2-4)")

@@ -32,6 +32,7 @@ import json
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from intralayer import comm, distributed, memory
 from intralayer.model import Block
@@ -130,6 +131,7 @@ def measure(d, s, b, h, heads, p) -> list[dict]:
     return rows
 
 
+@record
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # Long names: after ``-m module`` torchrun still reads an abbreviation of one of its own

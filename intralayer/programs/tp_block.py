@@ -36,6 +36,7 @@ import argparse
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from intralayer import comm, distributed
 from intralayer.comm import bus_factor
@@ -203,6 +204,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@record
 def main(argv=None) -> None:
     a = parse_args(argv)
     with distributed.setup() as d:

@@ -27,6 +27,7 @@ import copy
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 import torch.nn as nn
 
 from intralayer import comm, distributed
@@ -141,6 +142,7 @@ def dtensor_cases(d: distributed.Dist, tokens: int, h_in: int, h_out: int) -> li
     return rows
 
 
+@record
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=6, help="rows of X (tokens)")

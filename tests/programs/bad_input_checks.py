@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 import torch.nn as nn
 
 from intralayer import context_parallel as cp
@@ -409,6 +410,7 @@ def still_works(n: int, r: int, group) -> None:
         close(block(x.chunk(n, 0)[r]), dense(x).chunk(n, 0)[r], "SP block after the refusals")
 
 
+@record
 def main() -> None:
     with distributed.setup() as d:
         n, r, group = d.world_size, d.rank, d.group

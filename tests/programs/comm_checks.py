@@ -14,6 +14,7 @@ import argparse
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.testing import assert_close
 
 from intralayer import comm, distributed
@@ -265,6 +266,7 @@ def check_ring_all_reduce(n, r):
         expect(abs(mean - bus) < 1e-9, f"ring_all_reduce {shape}: mean sent {mean} != bus {bus}")
 
 
+@record
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--empty-2d", action="store_true")

@@ -24,6 +24,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 import torch.nn.functional as F
 
 from intralayer import comm, distributed
@@ -397,6 +398,7 @@ def check_bad_input(P, r, group):
            what="unshard: unknown layout")
 
 
+@record
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     with distributed.setup() as d:

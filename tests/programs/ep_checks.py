@@ -42,6 +42,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from intralayer import comm, distributed
 from intralayer import expert_parallel as ep
@@ -341,6 +342,7 @@ def check_bad_input(P, r, group):
 
 # ---------------------------------------------------------------------------- main
 
+@record
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     with distributed.setup() as d:

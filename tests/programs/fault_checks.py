@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from intralayer import distributed
 
@@ -41,6 +42,7 @@ SCENARIOS = ("raise", "sigkill", "absent", "hang")
 SETUP_TIMEOUT_S = 60.0
 
 
+@record
 def main(argv=None) -> None:
     scenario, pid_dir = (sys.argv[1:] if argv is None else argv)[:2]
     if scenario not in SCENARIOS:

@@ -11,12 +11,14 @@ import sys
 import time
 
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from intralayer import distributed
 
 FAILURE_TEXT = "deliberate failure on rank 1: the-walrus-9317"
 
 
+@record
 def main(argv=None) -> None:
     mode = (sys.argv[1:] if argv is None else argv)[0]
     with distributed.setup() as d:

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.testing import assert_close
@@ -459,6 +460,7 @@ def check_bad_input(P, r, group):
            what="mlp_microbatches, 6 rows in 4")
 
 
+@record
 def main() -> None:
     with distributed.setup() as d:
         P, r, group = d.world_size, d.rank, d.group

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 import torch.nn as nn
 
 from intralayer import comm, distributed, memory, model
@@ -246,6 +247,7 @@ def check_bad_input(n, r, group):
     close(got, want, "SP block on s/t + 1 tokens per rank vs the dense block on the longer sequence")
 
 
+@record
 def main(argv=None) -> None:
     with distributed.setup() as d:
         n, r, group = d.world_size, d.rank, d.group

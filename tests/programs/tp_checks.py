@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -413,6 +414,7 @@ def check_bad_input(n, r, group):
            "floating point", what="cross-entropy: integer logits")
 
 
+@record
 def main(argv=None) -> None:
     with distributed.setup() as d:
         n, r, group = d.world_size, d.rank, d.group
