@@ -3,7 +3,7 @@
 :func:`activation_bytes_per_layer` is the paper's Table 2 (16-bit activations, 1-byte
 dropout masks, LayerNorm statistics ignored, MLP h → 4h), with one row as Megatron-LM
 implements it rather than as the table prints it: full recomputation with sequence
-parallelism keeps 2sbh/t, not 2sbh (:func:`paper_formula` is the table). It is the sum of the
+parallelism keeps 2sbh/t, not 2sbh (``tests/test_memory.py`` holds the table as printed). It is the sum of the
 terms :func:`activation_terms` lists — one per tensor a GPT layer keeps for its backward
 pass — and those terms take the assumptions as arguments, so that a measurement in
 float32, or without dropout, or with LayerNorm statistics, has a formula to match.
@@ -15,7 +15,6 @@ keeps, leaving out the parameters.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from fractions import Fraction
 
 import torch
 
@@ -124,27 +123,9 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sp: b
     parallelism: sbh(34/t + 5as/(ht)) · selective recomputation drops the 5as/h term ·
     full recomputation keeps the layer input: 2sbh, as Table 2 prints it, except with
     sequence parallelism, where this returns 2sbh/t — what Megatron-LM keeps, the layer's
-    input as it arrives, already split by sequence. :func:`paper_formula` prints 2sbh.
+    input as it arrives, already split by sequence.
     """
     return sum(activation_terms(s, b, h, a, t, sp, recompute).values())
-
-
-def paper_formula(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none") -> int:
-    """Table 2 as the paper prints it (a check on the term list).
-
-    It equals :func:`activation_bytes_per_layer` everywhere but full recomputation with
-    sequence parallelism, for which Table 2 prints 2sbh and the implementation keeps 2sbh/t.
-    """
-    _check(s, b, h, a, t, sp, recompute)
-    sbh = Fraction(s * b * h)
-    attn = 0 if recompute == "selective" else Fraction(5 * a * s, h * t)
-    if recompute == "full":
-        value = 2 * sbh
-    elif sp:
-        value = sbh * (Fraction(34, t) + attn)
-    else:
-        value = sbh * (10 + Fraction(24, t) + attn)
-    return int(value)
 
 
 # ---------------------------------------------------------------------------- measuring

@@ -117,13 +117,6 @@ class Explorer:
                      "start": [v for _, v in pairs].index(self.start[name])} for name, pairs in self.options.items()]
         return {"name": self.name, "title": self.title, "controls": controls, "outputs": outputs, "index": index}
 
-    def lookup(self, table: dict, **values):
-        """The output :meth:`table` holds for one setting (what the book's page shows for it)."""
-        position = 0
-        for name, pairs in self.options.items():
-            position = position * len(pairs) + [v for _, v in pairs].index(values[name])
-        return table["outputs"][table["index"][position]]
-
     def placeholder(self) -> str:
         """The HTML the static book fills in from the precomputed :meth:`table`."""
         return (f'<div class="itl-explorer" data-explorer="{html.escape(self.name)}">'

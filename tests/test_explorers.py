@@ -20,6 +20,7 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from intralayer import widgets  # noqa: E402
 from intralayer.charts import Chart  # noqa: E402
+from tests.explorer_table import lookup  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((ROOT / "chapters").glob("*.ipynb"))
@@ -68,7 +69,7 @@ def test_the_whole_grid_gives_a_chart_or_a_sentence(path):
     assert kinds["chart"] > 0, f"{path.stem}: no setting draws a chart"
     # The table is plain JSON, and its start setting (what the page shows first) draws a chart.
     json.dumps(table)
-    assert "panels" in explorer.lookup(table, **explorer.start), f"{path.stem}: the start setting is invalid"
+    assert "panels" in lookup(explorer, table, **explorer.start), f"{path.stem}: the start setting is invalid"
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
@@ -78,7 +79,7 @@ def test_the_table_holds_what_the_function_returns(path):
     step = max(1, len(grid) // DRAWN)
     for values in grid[::step][:DRAWN] + [grid[-1]]:
         result = explorer.render(**values)
-        stored = explorer.lookup(table, **values)
+        stored = lookup(explorer, table, **values)
         if isinstance(result, str):
             assert stored == {"invalid": result}
             continue

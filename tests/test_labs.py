@@ -131,11 +131,15 @@ def _ring_source(body: str):
 def runners() -> list[psutil.Process]:
     """Lab runner processes this test process started that are still alive: its descendants,
     and orphans (re-parented to init). Another test worker's runners, busy with its own
-    notebooks at the same time, are neither."""
+    notebooks at the same time, are neither. This process's warm runner (``runner --serve``,
+    which waits for the next check) is not a leftover; a runner it forked for a check is."""
+    warm = labs.check._Warm._current
     found = []
     for p in psutil.process_iter(["cmdline"]):
         try:
             if not any("intralayer.labs.runner" in part for part in (p.info["cmdline"] or [])):
+                continue
+            if warm is not None and p.pid == warm.proc.pid:
                 continue
             if p.ppid() == 1 or os.getpid() in {a.pid for a in p.parents()}:
                 found.append(p)
@@ -166,6 +170,43 @@ def test_a_passing_check_forks_its_ranks_from_one_interpreter():
     assert [line.split(":")[0] for line in report.lines] == [f"ring_all_reduce passed on {n} ranks" for n in (2, 3, 4)]
     if sys.platform.startswith("linux"):
         assert report.start_method == "fork", f"the ranks were started with {report.start_method!r}, not forked"
+
+
+RING = ("def ring_all_reduce(x, group):\n"
+        "    n, me = dist.get_world_size(group), dist.get_rank(group)\n"
+        "    chunks = [c.clone() for c in x.chunk(n)]\n"
+        "    right, left = (me + 1) % n, (me - 1) % n\n"
+        "    for step in range(2 * (n - 1)):\n"
+        "        out_c, in_c = (me - step) % n, (me - step - 1) % n\n"
+        "        incoming = torch.empty_like(chunks[in_c])\n"
+        "        ops = [dist.P2POp(dist.isend, chunks[out_c], group=group, group_peer=right),\n"
+        "               dist.P2POp(dist.irecv, incoming, group=group, group_peer=left)]\n"
+        "        for request in dist.batch_isend_irecv(ops):\n"
+        "            request.wait()\n"
+        "        chunks[in_c] = chunks[in_c] + incoming if step < n - 1 else incoming\n"
+        "    return torch.cat(chunks)\n")
+
+
+def test_checks_share_one_warm_runner_and_a_dead_one_is_replaced():
+    """A notebook's checks fork their runners from one warm process (torch imported once):
+    the second check reuses it and takes well under the ~2.4 s an import of torch costs here;
+    if it dies, the next check starts another and still passes."""
+    fn = _ring_source(RING)
+    first = labs.run_many([labs.Check("ring_all_reduce", fn).on(ranks=2)])[0]
+    assert isinstance(first, labs.Report), first
+    warm = labs.check._Warm._current
+    start = time.monotonic()
+    again = labs.run_many([labs.Check("ring_all_reduce", fn).on(ranks=4)])[0]
+    took = time.monotonic() - start
+    assert isinstance(again, labs.Report), again
+    assert labs.check._Warm._current is warm and warm.proc.poll() is None, "the warm runner was not reused"
+    assert took < 2.0 or os.getloadavg()[0] > 3, f"a check with a warm runner took {took:.1f} s"
+    warm.proc.kill()
+    warm.proc.wait()
+    third = labs.run_many([labs.Check("ring_all_reduce", fn).on(ranks=3)])[0]
+    assert isinstance(third, labs.Report), third
+    assert labs.check._Warm._current is not warm and labs.check._Warm._current.proc.poll() is None
+    assert not runners()
 
 
 def test_a_deadlock_ends_at_the_group_timeout_naming_the_line():

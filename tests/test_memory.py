@@ -57,18 +57,16 @@ def _valid(s, b, h, a, t, sp, recompute) -> bool:
     return h % a == 0 and a % t == 0 and h % t == 0 and (not sp or s % t == 0)
 
 
-def test_total_equals_paper_formula_and_table_2_over_a_grid():
+def test_total_equals_table_2_over_a_grid():
     answered = refused = 0
     for case in GRID:
         if not _valid(*case):
-            for fn in (memory.activation_bytes_per_layer, memory.paper_formula):
-                with pytest.raises(ValueError):
-                    fn(*case)
+            with pytest.raises(ValueError):
+                memory.activation_bytes_per_layer(*case)
             refused += 1
             continue
         want = table2(*case)
         assert want.denominator == 1, case
-        assert memory.paper_formula(*case) == want, case
         got = memory.activation_bytes_per_layer(*case)
         s, b, h, a, t, sp, recompute = case
         if sp and recompute == "full":     # Megatron-LM keeps the layer input as it arrives: split by sequence
@@ -95,7 +93,7 @@ def test_table_2_rows_for_paper_sized_models(s, b, h, a, t):
     assert f(s, b, h, a, t, sp=True, recompute="selective") == sbh * 34 // t
     assert f(s, b, h, a, t, recompute="full") == 2 * sbh
     assert f(s, b, h, a, t, sp=True, recompute="full") == 2 * sbh // t          # Megatron-LM's
-    assert memory.paper_formula(s, b, h, a, t, sp=True, recompute="full") == 2 * sbh   # Table 2's
+    assert table2(s, b, h, a, t, True, "full") == 2 * sbh                              # Table 2's
     # Sequence parallelism with selective recomputation is exactly t times less than no parallelism
     # without the attention core (the paper's point).
     assert f(s, b, h, a, 1, recompute="selective") == t * f(s, b, h, a, t, sp=True, recompute="selective")
@@ -287,7 +285,7 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("fn", [memory.activation_terms, memory.activation_bytes_per_layer, memory.paper_formula],
+@pytest.mark.parametrize("fn", [memory.activation_terms, memory.activation_bytes_per_layer],
                          ids=lambda f: f.__name__)
 @pytest.mark.parametrize("kwargs, message", BAD, ids=[m.split(":")[0][:40] + f"-{i}" for i, (_, m) in enumerate(BAD)])
 def test_bad_sizes_name_the_rule(fn, kwargs, message):
@@ -296,7 +294,7 @@ def test_bad_sizes_name_the_rule(fn, kwargs, message):
 
 
 def test_sequence_length_needs_no_divisibility_without_sequence_parallelism():
-    assert memory.activation_bytes_per_layer(10, 2, 32, 4, t=4) == memory.paper_formula(10, 2, 32, 4, t=4)
+    assert memory.activation_bytes_per_layer(10, 2, 32, 4, t=4) == table2(10, 2, 32, 4, 4, False, "none")
 
 
 # ------------------------------------------------------------------ (d) the meter on a dense block

@@ -7,6 +7,7 @@ import ipywidgets as w
 import pytest
 
 from intralayer import plots, widgets
+from tests.explorer_table import lookup
 
 
 def cost(n, link, mode="ring"):
@@ -222,7 +223,7 @@ def test_table_holds_every_setting_in_grid_order_and_each_output_once():
     # n=8 with the tree is the only invalid setting; every other setting has its own chart.
     assert len(table["outputs"]) == 6
     for values in e.grid():
-        stored = e.lookup(table, **values)
+        stored = lookup(e, table, **values)
         result = e.render(**values)
         assert stored == ({"invalid": result} if isinstance(result, str) else result.to_data())
     # Equal outputs are stored once.

@@ -9,16 +9,19 @@ Used from a check cell::
 
 :meth:`Check.run` turns the learner's objects into a module file (:mod:`.source`),
 refuses at once code that still raises ``NotImplementedError`` (a blank exercise) or
-uses what the lab forbids, starts :mod:`.runner` in a new session with a deadline, and
-reads each rank's findings. :func:`run_many` runs several checks in one start (the tests
+uses what the lab forbids, has the kernel's warm runner (:class:`_Warm`) fork a
+:mod:`.runner` in a new session with a deadline, and reads each rank's findings. :func:`run_many` runs several checks in one start (the tests
 of wrong answers use it).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import select
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -169,29 +172,99 @@ def run_many(checks: list[Check], deadline: float = DEADLINE_S,
 
 
 def _start(folder: Path, jobs: list[dict], deadline: float, group_timeout: float):
-    """Start the runner; return each rank's results, the exit codes, and whether the deadline passed."""
-    from ..launch import stop
-
+    """Run the job; return each rank's results, the exit codes, and whether the deadline passed."""
     spec = {"jobs": jobs, "group_timeout": group_timeout, "world_timeout": group_timeout + 20.0}
     (folder / "job.json").write_text(json.dumps(spec))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
-    root = str(Path(__file__).resolve().parents[2])             # the course, importable in the runner too
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    with open(folder / "runner.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "intralayer.labs.runner", str(folder)], stdout=log,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        late = False
-        try:
-            proc.wait(timeout=deadline)
-        except subprocess.TimeoutExpired:
-            late = True
-        finally:                                # also on KeyboardInterrupt: no process outlives the check
-            stop(proc)
+    late = _Warm.get(_env()).run(folder, deadline)
     ranks = {}
     for path in folder.glob("rank*.json"):
         ranks[int(path.stem[4:])] = json.loads(path.read_text())
     ended = json.loads((folder / "exit.json").read_text()) if (folder / "exit.json").exists() else {}
     return ranks, ended, late
+
+
+def _env() -> dict:
+    """The runner's environment: CPU ranks, one thread each, the course importable."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+class _Warm:
+    """This kernel's warm runner (``runner --serve``): torch imported once, a runner forked per check.
+
+    A runner started afresh spends about 2.4 s importing torch; forked from this one, a
+    passing check takes a fraction of a second more than its cases. Started at the first
+    check, with that check's environment (a check with another starts a new one); it ends
+    when this process ends (its input closes). Should it die, the next check starts another.
+    """
+
+    _current: "_Warm | None" = None
+
+    def __init__(self, env: dict):
+        self.env = env
+        self.proc = subprocess.Popen([sys.executable, "-m", "intralayer.labs.runner", "--serve"], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
+        self.buffer = b""
+
+    @classmethod
+    def get(cls, env: dict) -> "_Warm":
+        warm = cls._current
+        if warm is None or warm.proc.poll() is not None or warm.env != env:
+            if warm is not None:
+                warm.close()
+            cls._current = warm = cls(env)
+        return warm
+
+    def close(self) -> None:
+        from ..launch import stop
+
+        stop(self.proc)
+
+    def _reply(self, word: str, until: float) -> int | None:
+        """The number after ``word`` on the next line it writes, or None if none comes by ``until``."""
+        while b"\n" not in self.buffer:
+            wait = until - time.monotonic()
+            if wait <= 0 or not select.select([self.proc.stdout], [], [], wait)[0]:
+                return None
+            chunk = os.read(self.proc.stdout.fileno(), 4096)
+            if not chunk:
+                return None                             # it died
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        head, value = line.decode().split()
+        if head != word:
+            raise RuntimeError(f"the warm lab runner answered {line!r}, not {word!r}")
+        return int(value)
+
+    def run(self, folder: Path, deadline: float) -> bool:
+        """Run one job; stop it at ``deadline`` seconds (SIGTERM first: the ranks print their stacks);
+        True if it was late. No process of the job outlives the call, also on KeyboardInterrupt."""
+        start = time.monotonic()
+        self.proc.stdin.write(f"{folder} {deadline}\n".encode())
+        self.proc.stdin.flush()
+        pid = self._reply("pid", start + 30.0)
+        if pid is None:
+            _Warm._current = None
+            self.close()
+            raise RuntimeError("the warm lab runner did not start the check's runner within 30 s")
+        late, code = True, None
+        try:
+            code = self._reply("exit", start + deadline)
+            late = code is None
+        finally:
+            if code is None:                          # late, or interrupted: stop the job's session
+                for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 10.0)):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pid, sig)
+                    if self._reply("exit", time.monotonic() + grace) is not None:
+                        break
+                else:
+                    _Warm._current = None
+                    self.close()
+        return late
 
 
 # ---------------------------------------------------------------------------- verdicts in words

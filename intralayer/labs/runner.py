@@ -39,6 +39,7 @@ for a laptop; their checks were never meant for NCCL.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -253,5 +254,44 @@ def main(argv: list[str]) -> int:
     return 0 if all(p.exitcode == 0 for p in procs) else 1
 
 
+def serve() -> int:
+    """``python -m intralayer.labs.runner --serve``: a warm runner for one notebook kernel.
+
+    Importing torch takes this machine about 2.4 s, most of a passing check's time, and a
+    lab notebook runs several checks. This process imports it once, then, for each line
+    ``JOBDIR DEADLINE`` it reads, forks a runner for that job in a session of its own (its
+    output to ``JOBDIR/runner.log``), answers ``pid N``, and ``exit C`` when the runner has
+    ended. The caller stops a late job itself (SIGTERM to the session, so the ranks print
+    their stacks); as a watchdog, this process kills the session DEADLINE + 10 s after the
+    start, should the caller be gone. It ends when its input closes: its kernel has ended.
+    """
+    import signal
+    import time
+
+    for line in sys.stdin:
+        jobdir, deadline = line.rsplit(maxsplit=1)
+        pid = os.fork()       # safe: one thread, no tensor operation yet (see start_method)
+        if pid == 0:
+            code = 1
+            try:
+                os.setsid()
+                log = os.open(Path(jobdir, "runner.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                null = os.open(os.devnull, os.O_RDONLY)
+                for fd, to in ((0, null), (1, log), (2, log)):
+                    os.dup2(to, fd)
+                code = main([jobdir])
+            finally:
+                os._exit(code)
+        print(f"pid {pid}", flush=True)
+        give_up = time.monotonic() + float(deadline) + 10.0
+        while not (ended := os.waitpid(pid, os.WNOHANG))[0]:
+            if time.monotonic() > give_up:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+            time.sleep(0.01)
+        print(f"exit {os.waitstatus_to_exitcode(ended[1])}", flush=True)
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(serve() if sys.argv[1:] == ["--serve"] else main(sys.argv[1:]))
