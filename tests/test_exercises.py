@@ -11,7 +11,6 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
@@ -85,15 +84,9 @@ def test_lab_structure(lab):
 
 @pytest.mark.parametrize("solution, exercise", PAIRS,
                          ids=[("labs/" if s.parent.name == "labs" else "") + s.stem for s, _ in PAIRS])
-def test_blank_exercise_fails_exactly_at_its_checks(solution, exercise):
-    nb = nbformat.read(exercise, as_version=4)
-    text = nbformat.writes(nb)
+def test_the_student_version_holds_no_solution_and_no_hidden_test(solution, exercise):
+    """The committed student version gives nothing away. (That running it fails exactly at its
+    check cells, with NotImplementedError, is checked in tests/test_nbgrader.py on what
+    nbgrader's autograde ran: the same notebook, hidden tests put back.)"""
+    text = nbformat.writes(nbformat.read(exercise, as_version=4))
     assert "### BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text
-    NotebookClient(nb, timeout=120, allow_errors=True, kernel_name="python3",
-                   resources={"metadata": {"path": str(exercise.parent)}}).execute()
-    failed = {i: o for i, c in enumerate(nb.cells) if c.cell_type == "code"
-              for o in c.outputs if o.output_type == "error"}
-    checks = {i for i, c in enumerate(nb.cells) if nbgrader(c).get("grade")}
-    assert set(failed) == checks, (f"errors in cells {sorted(failed)}, expected exactly the check cells "
-                                   f"{sorted(checks)}: " + "; ".join(f"{i}: {o.ename}" for i, o in failed.items()))
-    assert {o.ename for o in failed.values()} == {"NotImplementedError"}

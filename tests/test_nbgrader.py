@@ -141,6 +141,24 @@ def test_the_untouched_student_version_gets_no_point(course):
     assert not any(scored.values()), f"blank notebooks score points: {scored}"
 
 
+def test_the_untouched_student_version_fails_exactly_at_its_checks(course):
+    """What a learner meets who runs every cell of an exercise or lab before writing anything:
+    an error in each check cell, a NotImplementedError, and nowhere else — read from the blank
+    submissions autograde ran (the release, which is exercises/, with hidden tests put back)."""
+    wrong = []
+    for name, (solution, _) in ASSIGNMENTS.items():
+        nb = nbformat.read(course / "autograded" / "blank" / name / solution.name, as_version=4)
+        failed = {i: o for i, c in enumerate(nb.cells) if c.cell_type == "code"
+                  for o in c.outputs if o.output_type == "error"}
+        checks = {i for i, c in enumerate(nb.cells) if c.metadata.get("nbgrader", {}).get("grade")}
+        if not checks:
+            wrong.append(f"{name}: autograde's copy has no check cells (nbgrader metadata lost?)")
+        elif set(failed) != checks or {o.ename for o in failed.values()} != {"NotImplementedError"}:
+            wrong.append(f"{name}: errors in cells {sorted(failed)}, expected exactly the check cells "
+                         f"{sorted(checks)}: " + "; ".join(f"{i}: {o.ename}" for i, o in failed.items()))
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_labs_ran_on_ranks_inside_autograde(course):
     for name, (solution, _) in ASSIGNMENTS.items():
         if not name.startswith("lab_"):
