@@ -17,7 +17,8 @@ notebook's checks start ranks several times. Here torch is imported once and the
 forked from this interpreter. On the 2-core machine of the tests, with other jobs keeping
 its load average near 5, a 4-rank torchrun launch of the smallest program took 10–14 s, a
 check of three cases here 4.6 s, and the same check with ``spawn`` 23 s; less loaded, a
-check cell takes 2.4–3.8 s. Forking is safe here because this process has run no tensor
+check cell took 2.4–3.8 s, most of it importing torch, which :func:`serve` now does once per
+kernel (a passing check forked from it: about 0.6 s). Forking is safe here because this process has run no tensor
 operation and has one thread when it forks (``OMP_NUM_THREADS=1``, which the check sets:
 torch's OpenMP pool would add a second; and the rendezvous store, whose server runs a
 thread, is started only after the fork, its port sent to the ranks through a pipe).
@@ -30,7 +31,7 @@ a send that no one receives fails in seconds, not minutes); after each case all 
 meet on the world group, so a rank stuck in its case holds the others only until its
 group's timeout. A rank whose group timed out leaves without tearing its groups down
 (``os._exit``), once its results are written. The caller stops the whole process tree
-if this takes longer than its own deadline (``launch.stop``); SIGTERM then makes each
+if this takes longer than its own deadline (SIGTERM to the runner's session); that makes each
 rank print its Python stack first (:func:`intralayer.distributed.setup`), which says
 where the learner's code was.
 
