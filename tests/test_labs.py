@@ -148,30 +148,6 @@ def runners() -> list[psutil.Process]:
     return found
 
 
-def test_a_passing_check_forks_its_ranks_from_one_interpreter():
-    """The runner forks (one import of torch for all ranks) where that is safe; falling back to
-    spawn would still pass, five times slower, so this says so."""
-    fn = _ring_source(
-        "def ring_all_reduce(x, group):\n"
-        "    n, me = dist.get_world_size(group), dist.get_rank(group)\n"
-        "    chunks = [c.clone() for c in x.chunk(n)]\n"
-        "    right, left = (me + 1) % n, (me - 1) % n\n"
-        "    for step in range(2 * (n - 1)):\n"
-        "        out_c, in_c = (me - step) % n, (me - step - 1) % n\n"
-        "        incoming = torch.empty_like(chunks[in_c])\n"
-        "        ops = [dist.P2POp(dist.isend, chunks[out_c], group=group, group_peer=right),\n"
-        "               dist.P2POp(dist.irecv, incoming, group=group, group_peer=left)]\n"
-        "        for request in dist.batch_isend_irecv(ops):\n"
-        "            request.wait()\n"
-        "        chunks[in_c] = chunks[in_c] + incoming if step < n - 1 else incoming\n"
-        "    return torch.cat(chunks)\n")
-    [report] = labs.run_many([labs.Check("ring_all_reduce", fn).on(ranks=2).on(ranks=3).on(ranks=4)])
-    assert isinstance(report, labs.Report), report
-    assert [line.split(":")[0] for line in report.lines] == [f"ring_all_reduce passed on {n} ranks" for n in (2, 3, 4)]
-    if sys.platform.startswith("linux"):
-        assert report.start_method == "fork", f"the ranks were started with {report.start_method!r}, not forked"
-
-
 RING = ("def ring_all_reduce(x, group):\n"
         "    n, me = dist.get_world_size(group), dist.get_rank(group)\n"
         "    chunks = [c.clone() for c in x.chunk(n)]\n"
@@ -185,6 +161,17 @@ RING = ("def ring_all_reduce(x, group):\n"
         "            request.wait()\n"
         "        chunks[in_c] = chunks[in_c] + incoming if step < n - 1 else incoming\n"
         "    return torch.cat(chunks)\n")
+
+
+def test_a_passing_check_forks_its_ranks_from_one_interpreter():
+    """The runner forks (one import of torch for all ranks) where that is safe; falling back to
+    spawn would still pass, five times slower, so this says so."""
+    fn = _ring_source(RING)
+    [report] = labs.run_many([labs.Check("ring_all_reduce", fn).on(ranks=2).on(ranks=3).on(ranks=4)])
+    assert isinstance(report, labs.Report), report
+    assert [line.split(":")[0] for line in report.lines] == [f"ring_all_reduce passed on {n} ranks" for n in (2, 3, 4)]
+    if sys.platform.startswith("linux"):
+        assert report.start_method == "fork", f"the ranks were started with {report.start_method!r}, not forked"
 
 
 def test_checks_share_one_warm_runner_and_a_dead_one_is_replaced():
