@@ -104,74 +104,69 @@ def course(tmp_path_factory):
     return root
 
 
-def notebooks():
-    return [(name, solution.stem) for name, (solution, _) in ASSIGNMENTS.items()]
+NAMES = list(ASSIGNMENTS)
+LABS = [name for name in NAMES if name.startswith("lab_")]
+# One test per assignment (clearer reports; and pytest-xdist's loadfile scheduler starts files
+# with many tests first, so the round trip's few minutes no longer come last beside an idle worker).
 
 
-def test_the_release_is_the_student_version(course):
+@pytest.mark.parametrize("name", NAMES)
+def test_the_release_is_the_student_version(course, name):
     """nbgrader's release has the cells `make exercises` writes to exercises/ (test_exercises.py
     checks that the committed exercises are up to date)."""
-    for name, (solution, exercise) in ASSIGNMENTS.items():
-        released = nbformat.read(course / "release" / name / solution.name, as_version=4)
-        ours = tool.generate(course / "source" / name / solution.name)
-        assert [c.source for c in released.cells] == [c.source for c in ours.cells], \
-            f"nbgrader's release of {name} differs from what `make exercises` writes to {exercise.relative_to(ROOT)}"
+    solution, exercise = ASSIGNMENTS[name]
+    released = nbformat.read(course / "release" / name / solution.name, as_version=4)
+    ours = tool.generate(course / "source" / name / solution.name)
+    assert [c.source for c in released.cells] == [c.source for c in ours.cells], \
+        f"nbgrader's release of {name} differs from what `make exercises` writes to {exercise.relative_to(ROOT)}"
 
 
-def _scores(course: Path, student: str) -> dict:
+def _score(course: Path, name: str, student: str) -> tuple:
     from nbgrader.api import Gradebook
 
-    out = {}
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
-        for name, notebook in notebooks():
-            nb = gb.find_submission_notebook(notebook, name, student)
-            out[name] = (nb.score, nb.max_score, {g.name: g.score for g in nb.grades})
-    return out
+        nb = gb.find_submission_notebook(ASSIGNMENTS[name][0].stem, name, student)
+        return nb.score, nb.max_score, {g.name: g.score for g in nb.grades}
 
 
-def test_a_correct_submission_gets_every_point(course):
-    short = {name: (score, top) for name, (score, top, _) in _scores(course, "correct").items() if score != top}
-    assert not short, f"the solutions lose points: {short}"
-    assert all(top > 0 for _, top, _ in _scores(course, "correct").values())
+@pytest.mark.parametrize("name", NAMES)
+def test_a_correct_submission_gets_every_point(course, name):
+    score, top, _ = _score(course, name, "correct")
+    assert top > 0 and score == top, f"the solutions of {name} score {score} of {top}"
 
 
-def test_the_untouched_student_version_gets_no_point(course):
-    scored = {name: {g: s for g, s in grades.items() if s} for name, (_, _, grades) in
-              _scores(course, "blank").items()}
-    assert not any(scored.values()), f"blank notebooks score points: {scored}"
+@pytest.mark.parametrize("name", NAMES)
+def test_the_untouched_student_version_gets_no_point(course, name):
+    scored = {g: s for g, s in _score(course, name, "blank")[2].items() if s}
+    assert not scored, f"the blank {name} scores points: {scored}"
 
 
-def test_the_untouched_student_version_fails_exactly_at_its_checks(course):
+@pytest.mark.parametrize("name", NAMES)
+def test_the_untouched_student_version_fails_exactly_at_its_checks(course, name):
     """What a learner meets who runs every cell of an exercise or lab before writing anything:
     an error in each check cell, a NotImplementedError, and nowhere else — read from the blank
-    submissions autograde ran (the release, which is exercises/, with hidden tests put back)."""
-    wrong = []
-    for name, (solution, _) in ASSIGNMENTS.items():
-        nb = nbformat.read(course / "autograded" / "blank" / name / solution.name, as_version=4)
-        failed = {i: o for i, c in enumerate(nb.cells) if c.cell_type == "code"
-                  for o in c.outputs if o.output_type == "error"}
-        checks = {i for i, c in enumerate(nb.cells) if c.metadata.get("nbgrader", {}).get("grade")}
-        if not checks:
-            wrong.append(f"{name}: autograde's copy has no check cells (nbgrader metadata lost?)")
-        elif set(failed) != checks or {o.ename for o in failed.values()} != {"NotImplementedError"}:
-            wrong.append(f"{name}: errors in cells {sorted(failed)}, expected exactly the check cells "
-                         f"{sorted(checks)}: " + "; ".join(f"{i}: {o.ename}" for i, o in failed.items()))
-    assert not wrong, "\n".join(wrong)
+    submission autograde ran (the release, which is exercises/, with hidden tests put back)."""
+    nb = nbformat.read(course / "autograded" / "blank" / name / ASSIGNMENTS[name][0].name, as_version=4)
+    failed = {i: o for i, c in enumerate(nb.cells) if c.cell_type == "code"
+              for o in c.outputs if o.output_type == "error"}
+    checks = {i for i, c in enumerate(nb.cells) if c.metadata.get("nbgrader", {}).get("grade")}
+    assert checks, f"{name}: autograde's copy has no check cells (nbgrader metadata lost?)"
+    assert set(failed) == checks, (f"{name}: errors in cells {sorted(failed)}, expected exactly the check cells "
+                                   f"{sorted(checks)}: " + "; ".join(f"{i}: {o.ename}" for i, o in failed.items()))
+    assert {o.ename for o in failed.values()} == {"NotImplementedError"}
 
 
-def test_the_labs_ran_on_ranks_inside_autograde(course):
-    for name, (solution, _) in ASSIGNMENTS.items():
-        if not name.startswith("lab_"):
-            continue
-        nb = nbformat.read(course / "autograded" / "correct" / name / solution.name, as_version=4)
-        printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
-        assert "passed on 4 ranks" in printed and "catches the bug on 3 ranks" in printed, \
-            f"{name}: the checks' hidden cases did not run under autograde:\n{printed[:1500]}"
+@pytest.mark.parametrize("name", LABS)
+def test_the_labs_ran_on_ranks_inside_autograde(course, name):
+    nb = nbformat.read(course / "autograded" / "correct" / name / ASSIGNMENTS[name][0].name, as_version=4)
+    printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "passed on 4 ranks" in printed and "catches the bug on 3 ranks" in printed, \
+        f"{name}: the checks' hidden cases did not run under autograde:\n{printed[:1500]}"
 
 
-def test_feedback_for_every_submission(course):
-    for name, notebook in notebooks():
-        for student in STUDENTS:
-            page = course / "feedback" / student / name / f"{notebook}.html"
-            assert page.exists(), f"no feedback for {student} on {name}"
-            assert "Score" in page.read_text(errors="replace")
+@pytest.mark.parametrize("student", STUDENTS)
+@pytest.mark.parametrize("name", NAMES)
+def test_feedback_for_every_submission(course, name, student):
+    page = course / "feedback" / student / name / f"{ASSIGNMENTS[name][0].stem}.html"
+    assert page.exists(), f"no feedback for {student} on {name}"
+    assert "Score" in page.read_text(errors="replace")
