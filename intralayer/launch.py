@@ -196,11 +196,13 @@ def _frames(text: str) -> list[tuple[str, int, str]]:
 def _failure_message(module: str, nproc: int, code: int, result: LaunchResult,
                      failures: dict[int, dict], agent_log: str = "") -> str:
     """Blame one rank: one that raised an error of its own, else one a signal killed or
-    that exited with an error code and no record, else one that timed out waiting, else
-    the first to write an error record; then say what the others did."""
+    that exited with an error code and no record (a SIGTERM last: torchrun stops the others
+    with it, and a rank it stops before its stack is printed looks the same), else one that
+    timed out waiting, else the first to write an error record; then say what the others did."""
     ranks = {r: _Rank(result.stderr.get(r, ""), failures.get(r)) for r in sorted({*result.stderr, *failures})}
     order = ([r for r, i in ranks.items() if i.error and not i.lost_peer and not i.timed_out]
-             + [r for r, i in ranks.items() if i.ended] + [r for r, i in ranks.items() if i.timed_out]
+             + sorted((r for r, i in ranks.items() if i.ended), key=lambda r: ranks[r].code == -signal.SIGTERM)
+             + [r for r, i in ranks.items() if i.timed_out]
              + sorted((r for r, i in ranks.items() if i.error), key=lambda r: ranks[r].time))
     lines = [f"{module} on {nproc} ranks failed (torchrun exit code {code})."]
     if not order:

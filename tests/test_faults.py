@@ -296,6 +296,16 @@ def test_a_sigterm_is_blamed_only_for_a_rank_that_printed_no_stack(stopped):
         assert "rank 0 also failed in all_reduce: RuntimeError: [pair.cc:553] Connection closed by peer" in message
 
 
+def test_a_sigkill_is_blamed_before_a_sigterm_without_a_stack():
+    """Seen in CI: torchrun stopped a survivor with SIGTERM before it printed its stack, so two
+    ranks ended by a signal without a word; the SIGKILL, not torchrun's SIGTERM, is the cause."""
+    failures = _failures({0: 1, 1: -15, 2: -9}, {0: LOST_PEER_ERROR})
+    result = launch.LaunchResult("prog", 3, 1.0, stderr={0: LOST_PEER, 1: "", 2: ""})
+    message = launch._failure_message("prog", 3, 1, result, failures)
+    assert "Rank 2 was killed by signal 9 (SIGKILL) and wrote no traceback" in message
+    assert "rank 1 was killed by signal 15 (SIGTERM)" in message
+
+
 def test_a_rank_that_exits_with_an_error_code_and_no_traceback_is_blamed():
     """``sys.exit(3)`` or ``os._exit(3)`` on one rank leaves no error record; it, not the
     peer that lost its connection to it, is the rank the message blames."""
