@@ -12,7 +12,7 @@
     the module or function, the argument, what was expected and what came, with no
     collective recorded. The table of cases is tests/programs/bad_input_checks.py.
 (c) The same table on 2 real ranks, with the rules that bite only on more than one rank
-    and inputs no backend can send: launched through ``intralayer.launch.run``; a rank
+    and inputs no backend can send: launched through ``tests/warm_ranks.py``; a rank
     that raised late would leave its peer waiting in a collective.
 """
 from __future__ import annotations
@@ -24,7 +24,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from intralayer import comm, launch, planner, rules
+from intralayer import comm, planner, rules
+from tests import warm_ranks
 from intralayer import context_parallel as cp
 from intralayer import expert_parallel as ep
 from intralayer import sequence_parallel as sp
@@ -225,7 +226,7 @@ def test_check_tensor_messages():
 # ------------------------------------------------------------------ (c) on 2 real ranks
 
 def test_every_case_is_refused_on_two_ranks_and_the_ranks_still_talk():
-    result = launch.run("tests.programs.bad_input_checks", 2, env=ENV, timeout=120, show=False)
+    result = warm_ranks.run("tests.programs.bad_input_checks", 2, env=ENV, timeout=120, show=False)
     assert f"{cases.MARKER} 2 ranks" in result.output
     counted = int(re.search(r"\((\d+) cases\)", result.output).group(1))
     assert counted >= len(cases.GRID) + len(cases.EXTRA) + 8

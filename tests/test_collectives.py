@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from intralayer import collectives as C
-from intralayer import comm, launch
+from tests import warm_ranks
+from intralayer import comm
 
 NS = range(1, 7)
 LENGTHS = (1, 5, 7, 12, 13)   # several not divisible by most n, and 1 < n for n ≥ 2
@@ -330,7 +331,7 @@ def test_fit_rejects_an_unknown_collective():
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_hello_allreduce_sums_the_rank_numbers(nproc):
-    result = launch.run("intralayer.programs.hello_allreduce", nproc, show=False, timeout=60)
+    result = warm_ranks.run("intralayer.programs.hello_allreduce", nproc, show=False, timeout=60)
     total = nproc * (nproc - 1) // 2
     assert result.output.strip() == (f"{nproc} ranks, gloo: the all-reduce of the rank numbers 0 … {nproc - 1} "
                                      f"left {total} on every rank: correct")
@@ -340,7 +341,7 @@ def test_hello_allreduce_sums_the_rank_numbers(nproc):
 def test_bandwidth_records_what_gloo_ran(tmp_path):
     """gloo runs a reduce-scatter as an all-reduce of a copy (chapter 00, section 5)."""
     out = tmp_path / "bw.json"
-    launch.run("intralayer.programs.bandwidth", 2, args=["--max-bytes", "1024", "--repeats", "1", "--out", out],
+    warm_ranks.run("intralayer.programs.bandwidth", 2, args=["--max-bytes", "1024", "--repeats", "1", "--out", out],
                show=False, timeout=60)
     measured = json.loads(out.read_text())
     assert measured["backend"] == "gloo" and measured["sizes"] == [256, 1024]

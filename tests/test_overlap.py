@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.testing import assert_close
 
-from intralayer import comm, launch, overlap
+from intralayer import comm, overlap
+from tests import warm_ranks
 from intralayer.collectives import LINKS, collective_time
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +40,7 @@ ENV = {"PYTHONPATH": str(ROOT)}
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_collective_matmuls_match_unfused_on_real_ranks(nproc):
-    result = launch.run("tests.programs.overlap_checks", nproc, env=ENV, timeout=300, show=False)
+    result = warm_ranks.run("tests.programs.overlap_checks", nproc, env=ENV, timeout=300, show=False)
     assert f"{overlap_checks.MARKER} {nproc}" in result.output
     assert all("Traceback" not in text for text in result.stderr.values())
 

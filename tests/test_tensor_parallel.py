@@ -18,7 +18,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from intralayer import launch, model
+from intralayer import model
+from tests import warm_ranks
 from intralayer import tensor_parallel as tp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +33,7 @@ S, B, H, HEADS, VOCAB = 4, 2, 16, 4, 32
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_parallel_modules_match_their_dense_twins(nproc):
-    result = launch.run("tests.programs.tp_checks", nproc, env=ENV, timeout=90, show=False)
+    result = warm_ranks.run("tests.programs.tp_checks", nproc, env=ENV, timeout=90, show=False)
     assert f"{tp_checks.MARKER} {nproc}" in result.output
     assert all("Traceback" not in text for text in result.stderr.values())
 
