@@ -2,12 +2,14 @@
 from the internet, every internal link and anchor resolves, and in a real (headless)
 Chromium the math is typeset, the plots are shown, code is highlighted, no script fails,
 and every chapter's explorer answers a moved slider with the precomputed chart of the new
-setting — checked against the explorer's own Python function. Saves screenshots of each
+setting — checked against the explorer's own Python function. The explorers' tables the
+build precomputed hold a chart or a sentence for every setting, and what the function returns. Saves screenshots of each
 chapter page and of each explorer after the move (``_build/screenshots/``)."""
 from __future__ import annotations
 
 import functools
 import http.server
+import json
 import os
 import re
 import shutil
@@ -20,6 +22,8 @@ from urllib.parse import urlparse
 import pytest
 
 from intralayer import widgets
+from intralayer.charts import Chart
+from tests.explorer_table import lookup
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = sorted(p.stem for p in (ROOT / "chapters").glob("*.ipynb"))
@@ -99,6 +103,75 @@ def test_every_chapter_page_carries_its_explorer_table(html):
         assert f"_static/explorers/{stem}.js" in page, f"{stem}: the page does not load its explorer table"
         assert (html / "_static" / "explorers" / f"{stem}.js").stat().st_size > 1000
         assert "_static/explorer.js" in page
+
+
+# ---------------------------------------------------------- the explorers' tables, as built
+# The build sweeps every explorer's whole grid (book/_ext/static_explorers.py); these tests read
+# the tables it wrote rather than sweeping the grids again.
+DRAWN = 12           # settings per chapter also drawn with matplotlib
+
+
+def _built_table(html: Path, stem: str) -> tuple[widgets.Explorer, dict]:
+    """The chapter's explorer (from its cells tagged ``explorer``) and the table the build wrote."""
+    import torch
+
+    torch.set_num_threads(1)
+    (explorer,) = widgets.load(ROOT / "chapters" / f"{stem}.ipynb").values()
+    script = (html / "_static" / "explorers" / f"{stem}.js").read_text()
+    found = re.findall(r"^window\.ITL_EXPLORERS\[(\"[^\"]+\")\] = (.*);$", script, re.M)
+    tables = {json.loads(name): json.loads(body) for name, body in found}
+    assert explorer.name in tables, f"{stem}: the build wrote tables for {list(tables)}, not {explorer.name!r}"
+    return explorer, tables[explorer.name]
+
+
+def test_every_chapter_has_exactly_one_explorer():
+    for stem in CHAPTERS:
+        found = widgets.load(ROOT / "chapters" / f"{stem}.ipynb")
+        assert len(found) == 1, f"{stem}: expected one explorer in the cells tagged 'explorer', found {list(found)}"
+
+
+@pytest.mark.parametrize("stem", CHAPTERS)
+def test_the_whole_grid_gives_a_chart_or_a_sentence(html, stem, monkeypatch):
+    monkeypatch.chdir(ROOT / "chapters")
+    explorer, table = _built_table(html, stem)
+    assert len(table["index"]) == explorer.size
+    kinds = {"chart": 0, "sentence": 0}
+    for out in table["outputs"]:
+        if "invalid" in out:
+            assert out["invalid"].startswith(widgets.INVALID) and len(out["invalid"]) > len(widgets.INVALID) + 10, out
+            kinds["sentence"] += 1
+        else:
+            assert out["title"] and out["panels"], out
+            kinds["chart"] += 1
+    assert kinds["chart"] > 0, f"{stem}: no setting draws a chart"
+    assert "panels" in lookup(explorer, table, **explorer.start), f"{stem}: the start setting is invalid"
+
+
+@pytest.mark.parametrize("stem", CHAPTERS)
+def test_the_table_holds_what_the_function_returns(html, stem, monkeypatch):
+    """Settings spread over the grid, and the last: the built table holds what the explorer's
+    function returns for them, and matplotlib draws that chart as the notebook does."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+
+    monkeypatch.chdir(ROOT / "chapters")
+    explorer, table = _built_table(html, stem)
+    grid = list(explorer.grid())
+    step = max(1, len(grid) // DRAWN)
+    for values in grid[::step][:DRAWN] + [grid[-1]]:
+        result = explorer.render(**values)
+        stored = lookup(explorer, table, **values)
+        if isinstance(result, str):
+            assert stored == {"invalid": result}
+            continue
+        assert isinstance(result, Chart)
+        assert json.dumps(stored, sort_keys=True) == json.dumps(result.to_data(), sort_keys=True), values
+        fig = result.figure()
+        assert isinstance(fig, Figure) and len(fig.axes) >= len(result.panels)
+        plt.close("all")
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,9 @@ goes in ``source/``; ``nbgrader generate_assignment`` releases them all; two stu
 submit every assignment: ``correct`` hands in the solutions, ``blank`` the untouched
 release; ``nbgrader autograde`` grades all 2 × N notebooks in one run (hidden tests put
 back, the labs' checks run on real ranks inside nbgrader's kernel); ``nbgrader
-generate_feedback`` writes each student's report. The commands are the ones
+generate_feedback`` writes each student's report. Autograde's execution of the correct
+submissions is also the suite's check of the solutions' stored outputs (nbval does not
+collect solutions/). The commands are the ones
 book/instructors.md shows (with ``--force``, which redoes a step that has run before),
 and so is the per-cell time limit. One nbgrader call per step keeps the start-up cost (the
 database, nbgrader's own imports) to once per step; this file is a test module of its
@@ -27,6 +29,7 @@ import nbformat
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+import determinism
 import exercises as tool
 
 STUDENTS = ("correct", "blank")
@@ -133,6 +136,31 @@ def _score(course: Path, name: str, student: str) -> tuple:
 def test_a_correct_submission_gets_every_point(course, name):
     score, top, _ = _score(course, name, "correct")
     assert top > 0 and score == top, f"the solutions of {name} score {score} of {top}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_correct_submission_reproduces_the_stored_outputs(course, name):
+    """What nbval would check, on the execution autograde has just made (so the solutions are
+    executed once in the suite, not also by nbval): every code cell nbval checks prints, as
+    ``make determinism`` compares it (nbval's markers, coalesced streams, tests/sanitize.cfg,
+    text only), what the committed solutions notebook shows, and no cell fails."""
+    stored = nbformat.read(ASSIGNMENTS[name][0], as_version=4)
+    graded = nbformat.read(course / "autograded" / "correct" / name / ASSIGNMENTS[name][0].name, as_version=4)
+    assert len(stored.cells) == len(graded.cells), f"{name}: autograde's copy has another number of cells"
+    sanitizers, compared, wrong = determinism.load_sanitizers(), 0, []
+    for number, (mine, ran) in enumerate((a, b) for a, b in zip(stored.cells, graded.cells) if a.cell_type == "code"):
+        errors = [f"{o.ename}: {o.evalue}" for o in ran.outputs if o.output_type == "error"]
+        assert not errors, f"{name} Cell {number} fails under autograde: {errors[0]}"
+        if determinism.exclusion(mine) or (mine.get("execution_count") is None and not mine.outputs):
+            continue
+        compared += 1
+        want, got = determinism.text_view(mine.outputs, sanitizers), determinism.text_view(ran.outputs, sanitizers)
+        if want != got:
+            at = next((k for k, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+            wrong.append(f"Cell {number}, line {at + 1}: stored {want[at] if at < len(want) else '(nothing)'!r}, "
+                         f"got {got[at] if at < len(got) else '(nothing)'!r}")
+    assert compared, f"{name}: no cell's output was compared"
+    assert not wrong, f"{ASSIGNMENTS[name][0].relative_to(ROOT)} is stale or not deterministic:\n" + "\n".join(wrong)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -240,7 +240,8 @@ class _Warm:
         return int(value)
 
     def run(self, folder: Path, deadline: float) -> bool:
-        """Run one job; stop it at ``deadline`` seconds (SIGTERM first: the ranks print their stacks);
+        """Run one job; stop it ``deadline`` seconds after its runner is forked (SIGTERM first: the
+        ranks print their stacks);
         True if it was late. No process of the job outlives the call, also on KeyboardInterrupt."""
         start = time.monotonic()
         self.proc.stdin.write(f"{folder} {deadline}\n".encode())
@@ -252,7 +253,7 @@ class _Warm:
             raise RuntimeError("the warm lab runner did not start the check's runner within 30 s")
         late, code = True, None
         try:
-            code = self._reply("exit", start + deadline)
+            code = self._reply("exit", time.monotonic() + deadline)    # from the fork, not the runner's start
             late = code is None
         finally:
             if code is None:                          # late, or interrupted: stop the job's session
