@@ -1,13 +1,8 @@
-"""``make determinism``: execute every notebook several times; its checked text outputs must never change.
+"""``make determinism``: execute every notebook ``--runs`` times (fresh kernels, ``--jobs`` notebooks at
+once) and compare the runs with each other and with the stored outputs, judged with nbval's own code
+(its skip/ignore markers, coalesced streams, ``tests/sanitize.cfg``; text only). A differing cell is
+nondeterministic (runs disagree) or stale (runs agree, the stored output does not); exit status 1 if any.
 
-One nbval run checks one execution against the stored outputs; this runs each notebook ``--runs``
-times (fresh kernels of this environment, ``--jobs`` notebooks at once, never two runs of one) and
-compares every run with the others and with the stored outputs, judging as nbval does with nbval's
-own code (the cells it leaves out, coalesced streams, ``tests/sanitize.cfg``, text only). A differing
-cell is nondeterministic (the runs disagree) or stale (they agree, the stored output does not);
-each variant's first differing line is shown. Exit status 1 if any.
-
-    make determinism                     # or: .venv/bin/python tools/determinism.py
     .venv/bin/python tools/determinism.py --runs 2 --jobs 1 chapters/05_moe.ipynb
 """
 import argparse
@@ -26,13 +21,12 @@ from nbval.kernel import CURRENT_ENV_KERNEL_NAME, NbvalKernelspecManager
 from nbval.plugin import coalesce_streams, find_comment_markers, find_metadata_tags, get_sanitize_patterns
 
 ROOT = Path(__file__).resolve().parents[1]
-SANITIZE_CFG = ROOT / "tests" / "sanitize.cfg"
 NOTEBOOK_GLOBS = ("chapters/*.ipynb", "solutions/*.ipynb", "solutions/labs/*.ipynb")
 CELL_TIMEOUT = 300
 NOT_RUN = "determinism-not-run"          # the tag skipped cells get in this tool's in-memory copy
 
 
-def load_sanitizers(path: Path | str = SANITIZE_CFG) -> list[tuple[str, str]]:
+def load_sanitizers(path: Path | str = ROOT / "tests" / "sanitize.cfg") -> list[tuple[str, str]]:
     return get_sanitize_patterns(Path(path).read_text(encoding="utf-8"))   # nbval's own parser
 
 
@@ -54,41 +48,35 @@ def text_view(outputs, sanitizers) -> tuple[str, ...]:
         else:
             parts += [(1, 0, mime, "".join(v) if isinstance(v, list) else v)
                       for mime, v in out.get("data", {}).items() if mime.startswith("text/")]
-    lines = []
-    for *_, kind, text in sorted(parts, key=lambda p: p[:3]):
-        for regex, replace in sanitizers:
-            text = re.sub(regex, replace, text)
-        lines += [f"{kind}: {line}" for line in text.splitlines() or [""]]
-    return tuple(lines)
+    for regex, replace in sanitizers:
+        parts = [(*p[:3], re.sub(regex, replace, p[3])) for p in parts]
+    return tuple(f"{kind}: {line}" for *_, kind, text in sorted(parts, key=lambda p: p[:3])
+                 for line in text.splitlines() or [""])
 
 
 def execute(notebook: Path, text: str, timeout: int = CELL_TIMEOUT) -> tuple[dict[int, list], str | None]:
     """One run of the notebook as read at the start: code cell index → outputs, and why it stopped early."""
     nb = nbformat.reads(text, as_version=4)
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            cell.outputs, cell.execution_count = [], None
-            if exclusion(cell) == "nbval-skip":
-                cell.metadata.setdefault("tags", []).append(NOT_RUN)
+    for cell in (c for c in nb.cells if c.cell_type == "code"):
+        cell.outputs, cell.execution_count = [], None
+        if exclusion(cell) == "nbval-skip":
+            cell.metadata.setdefault("tags", []).append(NOT_RUN)
     km = KernelManager(kernel_name=CURRENT_ENV_KERNEL_NAME, kernel_spec_manager=NbvalKernelspecManager())
-    client = NotebookClient(nb, km=km, timeout=timeout, allow_errors=True, skip_cells_with_tag=NOT_RUN,
-                            resources={"metadata": {"path": str(notebook.resolve().parent)}})
     failure = None
     try:
-        client.execute()
+        NotebookClient(nb, km=km, timeout=timeout, allow_errors=True, skip_cells_with_tag=NOT_RUN,
+                       resources={"metadata": {"path": str(notebook.resolve().parent)}}).execute()
     except Exception as exc:                     # a cell timeout, a dead kernel: report it, keep what ran
         failure = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
     finally:                                     # the client does not own a kernel manager it was given
         if km.has_kernel:
             km.shutdown_kernel(now=True)
-    return {i: c.outputs for i, c in enumerate(nb.cells)
-            if c.cell_type == "code" and c.execution_count is not None}, failure
+    return {i: c.outputs for i, c in enumerate(nb.cells) if c.get("execution_count") is not None}, failure
 
 
-#: One distinct output of a cell: who printed it ("run 1", "stored"), its first line (from 1) unlike
-#: the first variant's (None for that one), and that line.
+#: A distinct output of a cell: who printed it ("run 1", "stored"), its first line (from 1) unlike the
+#: first variant's (None for that one), and that line; a differing cell: nbval's "Cell N", its index.
 Variant = namedtuple("Variant", "sources line_no line")
-#: A cell whose outputs differ: nbval's "Cell N" (code cells, from 0), its index among all cells.
 CellDiff = namedtuple("CellDiff", "cell index runs_differ stored_differs variants")
 
 
@@ -122,11 +110,10 @@ def cell_diff(number: int, index: int, views: list[tuple[str, tuple[str, ...]]])
 
 
 def compare(notebook: Path, runs: int, sanitizers, timeout: int = CELL_TIMEOUT) -> NotebookReport:
-    text = notebook.read_text(encoding="utf-8")
-    report, start = NotebookReport(str(notebook), runs), time.perf_counter()
+    text, start = notebook.read_text(encoding="utf-8"), time.perf_counter()
     results = [execute(notebook, text, timeout) for _ in range(runs)]
-    report.seconds = time.perf_counter() - start
-    report.failures = [f"run {r}: {why}" for r, (_, why) in enumerate(results, 1) if why]
+    report = NotebookReport(str(notebook), runs, seconds=time.perf_counter() - start,
+                            failures=[f"run {r}: {why}" for r, (_, why) in enumerate(results, 1) if why])
     code = [(i, c) for i, c in enumerate(nbformat.reads(text, as_version=4).cells) if c.cell_type == "code"]
     for number, (index, cell) in enumerate(code):
         if why := exclusion(cell):
@@ -154,9 +141,9 @@ def format_diffs(reports: list[NotebookReport]) -> str:
         out += [f"{rep.notebook}: {failure}" for failure in rep.failures]
         for d in rep.diffs:
             what = "the runs differ" if d.runs_differ else "every run agrees; the stored output differs"
-            out.append(f"{rep.notebook} Cell {d.cell} (cell index {d.index}): {what}")
-            out += [f"    {', '.join(v.sources)}" + (f" (line {v.line_no})" if v.line_no else "")
-                    + f": {v.line}" for v in d.variants]
+            out += [f"{rep.notebook} Cell {d.cell} (cell index {d.index}): {what}"] + [
+                f"    {', '.join(v.sources)}" + (f" (line {v.line_no})" if v.line_no else "") + f": {v.line}"
+                for v in d.variants]
     return "\n".join(out)
 
 
@@ -174,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.runs < 2 or a.jobs < 1:
         ap.error(f"--runs must be at least 2 (got {a.runs}) and --jobs at least 1 (got {a.jobs})")
-    notebooks = a.notebooks or sorted(str(p) for g in NOTEBOOK_GLOBS for p in ROOT.glob(g))
-    reports = check(notebooks, a.runs, a.jobs)
+    reports = check(a.notebooks or sorted(str(p) for g in NOTEBOOK_GLOBS for p in ROOT.glob(g)), a.runs, a.jobs)
     print(format_diffs(reports) or "every compared cell identical in every run and as stored")
     print(format_table(reports))
     return 0 if all(r.identical for r in reports) else 1
