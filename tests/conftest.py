@@ -1,4 +1,4 @@
-"""Suite-wide reporting: the time each notebook took, slowest first."""
+"""Suite-wide: the time each notebook took, slowest first; and the order files start in."""
 from collections import defaultdict
 
 
@@ -14,3 +14,16 @@ def pytest_terminal_summary(terminalreporter):
         for path, secs in sorted(per_file.items(), key=lambda kv: -kv[1]):
             terminalreporter.write_line(f"{secs:7.1f}  {path}")
 
+
+
+#: Files that take minutes on one worker: started first, so that no worker is left with one of
+#: them at the end while the other idles. pytest-xdist hands out files in collection order
+#: because pyproject's addopts pass ``--no-loadscope-reorder`` (by default it reorders files by
+#: their number of tests, which would undo this order).
+LONG_POLES = ("tests/test_nbgrader.py", "tests/test_book.py", "chapters/")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        return next((i for i, prefix in enumerate(LONG_POLES) if item.nodeid.startswith(prefix)), len(LONG_POLES))
+    items.sort(key=rank)           # stable: within a file, and among the rest, the order is kept

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from intralayer import comm, distributed, launch
+from tests import warm_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 from tests.programs import comm_checks, misbehave
@@ -52,7 +53,9 @@ ROW = re.compile(r"^(?P<name>\S.*?)\s+(?P<ok>ok|WRONG)\s+(?P<S>\d+)\s+(?P<sent>\
                  r"(?P<bus>[\d.]+)\s+(?P<how>ring model|counted)$")
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+# On 4 ranks here; chapter 00 launches the same program on 2 and 4 ranks, asserts "all correct"
+# and nbval holds its table (the rows checked below) to the stored one.
+@pytest.mark.parametrize("nproc", [4])
 def test_chapter_program_is_all_correct(nproc, capsys):
     result = launch.run("intralayer.programs.collectives", nproc, env=ENV, timeout=60)
     out = result.output
@@ -77,7 +80,7 @@ def test_chapter_program_is_all_correct(nproc, capsys):
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_comm_forward_backward_and_accounting(nproc):
-    result = launch.run("tests.programs.comm_checks", nproc, env=ENV, timeout=60, show=False)
+    result = warm_ranks.run("tests.programs.comm_checks", nproc, env=ENV, timeout=60, show=False)
     assert f"{comm_checks.MARKER} {nproc}" in result.output
     assert all("Traceback" not in text for text in result.stderr.values())
 
