@@ -1,14 +1,12 @@
 """Run a course program on N ranks from a notebook or a test: ``run("intralayer.programs.collectives", 4)``.
 
-torchrun runs (``--standalone``: two launches pick different ports) with the notebook's own
-interpreter, so the venv need not be on ``PATH``. If a rank fails or the timeout passes,
-every process of the job is stopped and a :class:`LaunchError` says which rank failed, how,
-and what the others were doing. It reads what torchrun records, not its log text: torchrun
-runs in a small agent (``python -m intralayer.launch REPORT <torchrun options>``) that writes
-its ``ChildFailedError`` as JSON — each failed rank's exit code and the error record (message,
-traceback, timestamp) that a rank whose entry point is decorated with torch's ``errors.record``
-writes, as every course program's is. From a rank's stderr come its last lines and the stack
-it prints when stopped (see :func:`distributed.setup`): which collective it waited in.
+torchrun (``--standalone``) runs with the notebook's own interpreter, so the venv need not be on
+``PATH``, inside a small agent (``python -m intralayer.launch REPORT <torchrun options>``) that
+writes torchrun's ``ChildFailedError`` as JSON: each failed rank's exit code and the error record
+(message, traceback, timestamp) that ``errors.record``, which decorates every course program's
+``main``, writes. If a rank fails or the timeout passes, every process is stopped and a
+:class:`LaunchError` says which rank failed, how, and — from the stacks ranks print when stopped
+(:func:`distributed.setup`) — what the others were doing.
 """
 from __future__ import annotations
 
@@ -32,7 +30,6 @@ from .distributed import TIMEOUT_ENV
 
 MAX_RANKS_HERE = 8
 TAIL_LINES = 25
-ERROR_CHARS = 160
 
 
 class LaunchError(RuntimeError):
@@ -221,7 +218,7 @@ def _failure_message(module: str, nproc: int, code: int, result: LaunchResult,
         if absent:        # stopped elsewhere than in the collective it timed out in: never joined it
             lines.append(f"Missing from {c.collective}: " + "; ".join(f"rank {r}, {ranks[r].doing()}" for r in absent) + ".")
         notes = [f"  rank {r} also failed{f' in {i.collective}' if i.collective else ''}: "
-                 + (i.error if len(i.error) <= ERROR_CHARS else i.error[:ERROR_CHARS - 3] + "...") if i.error
+                 + (i.error if len(i.error) <= 160 else i.error[:157] + "...") if i.error
                  else f"  rank {r} {i.ended}" if i.ended
                  else f"  rank {r} was still running when torchrun stopped it; it was {i.doing()}"
                  for r, i in ranks.items() if r != rank and (i.error or i.ended or i.stack)]
