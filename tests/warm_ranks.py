@@ -22,7 +22,6 @@ import contextlib
 import json
 import os
 import runpy
-import select
 import shutil
 import signal
 import socket
@@ -34,6 +33,8 @@ import traceback
 from pathlib import Path
 
 from intralayer import distributed, launch   # torch and torch.distributed: imported once, before any fork
+from intralayer.labs import runner
+from intralayer.labs.check import Replies
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,26 +88,17 @@ def _leader(job: dict, folder: Path) -> None:
 
 
 def serve() -> None:
-    """For each job line on stdin: fork a leader in a new session, answer ``pid N`` then ``exit C``.
-    As a watchdog, kill a job's session 10 s after its timeout (should the caller be gone)."""
+    """For each job line on stdin: fork a leader in a new session and answer ``pid N``, then
+    ``exit C`` (the labs' warm runner's protocol and code; its watchdog: 10 s past the timeout)."""
     for line in sys.stdin:
         job = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.setsid()
-                os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-                _leader(job, Path(job["folder"]))
-            finally:
-                os._exit(0)
-        print(f"pid {pid}", flush=True)
-        give_up = time.monotonic() + job["timeout"] + 10.0
-        while not (ended := os.waitpid(pid, os.WNOHANG))[0]:
-            if time.monotonic() > give_up:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
-            time.sleep(0.01)
-        print(f"exit {os.waitstatus_to_exitcode(ended[1])}", flush=True)
+
+        def leader(job=job) -> int:
+            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+            _leader(job, Path(job["folder"]))
+            return 0
+
+        runner.fork_and_wait(leader, job["timeout"] + 10.0)
 
 
 class _Server:
@@ -116,7 +108,7 @@ class _Server:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.warm_ranks"], cwd=ROOT, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
-        self.buffer = b""
+        self.replies = Replies(self.proc)
 
     @classmethod
     def get(cls) -> "_Server":
@@ -125,18 +117,10 @@ class _Server:
         return cls.current
 
     def reply(self, word: str, until: float) -> int | None:
-        while b"\n" not in self.buffer:
-            wait = until - time.monotonic()
-            if wait <= 0 or not select.select([self.proc.stdout], [], [], wait)[0]:
-                return None
-            chunk = os.read(self.proc.stdout.fileno(), 4096)
-            if not chunk:
-                raise RuntimeError("the warm rank server died")
-            self.buffer += chunk
-        line, self.buffer = self.buffer.split(b"\n", 1)
-        head, value = line.decode().split()
-        assert head == word, f"the warm rank server answered {line!r}, not {word!r}"
-        return int(value)
+        got = self.replies.next(word, until)
+        if got is None and self.proc.poll() is not None:
+            raise RuntimeError("the warm rank server died")
+        return got
 
 
 def run(module: str, nproc: int, args=(), timeout: float = 120.0, env: dict | None = None,

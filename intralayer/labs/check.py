@@ -191,6 +191,29 @@ def _env() -> dict:
     return env
 
 
+class Replies:
+    """The lines ``WORD N`` a warm server writes (``pid 123``, ``exit 0``), each read within a deadline."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.buffer = proc, b""
+
+    def next(self, word: str, until: float) -> int | None:
+        """The number after ``word`` on the next line, or None if none comes by ``until`` (or the server died)."""
+        while b"\n" not in self.buffer:
+            wait = until - time.monotonic()
+            if wait <= 0 or not select.select([self.proc.stdout], [], [], wait)[0]:
+                return None
+            chunk = os.read(self.proc.stdout.fileno(), 4096)
+            if not chunk:
+                return None                             # it died
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        head, value = line.decode().split()
+        if head != word:
+            raise RuntimeError(f"the warm server answered {line!r}, not {word!r}")
+        return int(value)
+
+
 class _Warm:
     """This kernel's warm runner (``runner --serve``): torch imported once, a runner forked per check.
 
@@ -207,7 +230,7 @@ class _Warm:
         self.proc = subprocess.Popen([sys.executable, "-m", "intralayer.labs.runner", "--serve"], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      start_new_session=True)
-        self.buffer = b""
+        self.replies = Replies(self.proc)
 
     @classmethod
     def get(cls, env: dict) -> "_Warm":
@@ -223,22 +246,6 @@ class _Warm:
 
         stop(self.proc)
 
-    def _reply(self, word: str, until: float) -> int | None:
-        """The number after ``word`` on the next line it writes, or None if none comes by ``until``."""
-        while b"\n" not in self.buffer:
-            wait = until - time.monotonic()
-            if wait <= 0 or not select.select([self.proc.stdout], [], [], wait)[0]:
-                return None
-            chunk = os.read(self.proc.stdout.fileno(), 4096)
-            if not chunk:
-                return None                             # it died
-            self.buffer += chunk
-        line, self.buffer = self.buffer.split(b"\n", 1)
-        head, value = line.decode().split()
-        if head != word:
-            raise RuntimeError(f"the warm lab runner answered {line!r}, not {word!r}")
-        return int(value)
-
     def run(self, folder: Path, deadline: float) -> bool:
         """Run one job; stop it ``deadline`` seconds after its runner is forked (SIGTERM first: the
         ranks print their stacks);
@@ -246,21 +253,21 @@ class _Warm:
         start = time.monotonic()
         self.proc.stdin.write(f"{folder} {deadline}\n".encode())
         self.proc.stdin.flush()
-        pid = self._reply("pid", start + 30.0)
+        pid = self.replies.next("pid", start + 30.0)
         if pid is None:
             _Warm._current = None
             self.close()
             raise RuntimeError("the warm lab runner did not start the check's runner within 30 s")
         late, code = True, None
         try:
-            code = self._reply("exit", time.monotonic() + deadline)    # from the fork, not the runner's start
+            code = self.replies.next("exit", time.monotonic() + deadline)    # from the fork, not the runner's start
             late = code is None
         finally:
             if code is None:                          # late, or interrupted: stop the job's session
                 for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 10.0)):
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(pid, sig)
-                    if self._reply("exit", time.monotonic() + grace) is not None:
+                    if self.replies.next("exit", time.monotonic() + grace) is not None:
                         break
                 else:
                     _Warm._current = None

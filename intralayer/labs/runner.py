@@ -266,32 +266,43 @@ def serve() -> int:
     their stacks); as a watchdog, this process kills the session DEADLINE + 10 s after the
     start, should the caller be gone. It ends when its input closes: its kernel has ended.
     """
+    for line in sys.stdin:
+        jobdir, deadline = line.rsplit(maxsplit=1)
+
+        def job(jobdir=jobdir) -> int:
+            log = os.open(Path(jobdir, "runner.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            for fd, to in ((0, os.open(os.devnull, os.O_RDONLY)), (1, log), (2, log)):
+                os.dup2(to, fd)
+            return main([jobdir])
+
+        fork_and_wait(job, float(deadline) + 10.0)
+    return 0
+
+
+def fork_and_wait(job, give_up_s: float) -> None:
+    """Fork ``job()`` in a session of its own (its return value is the child's exit code), write
+    ``pid N``, wait for it, and write ``exit C``. The caller stops a late job itself; as a watchdog,
+    its session is killed ``give_up_s`` seconds after the fork, should the caller be gone. Safe
+    while this process has one thread and has run no tensor operation (see :func:`start_method`)."""
     import signal
     import time
 
-    for line in sys.stdin:
-        jobdir, deadline = line.rsplit(maxsplit=1)
-        pid = os.fork()       # safe: one thread, no tensor operation yet (see start_method)
-        if pid == 0:
-            code = 1
-            try:
-                os.setsid()
-                log = os.open(Path(jobdir, "runner.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                null = os.open(os.devnull, os.O_RDONLY)
-                for fd, to in ((0, null), (1, log), (2, log)):
-                    os.dup2(to, fd)
-                code = main([jobdir])
-            finally:
-                os._exit(code)
-        print(f"pid {pid}", flush=True)
-        give_up = time.monotonic() + float(deadline) + 10.0
-        while not (ended := os.waitpid(pid, os.WNOHANG))[0]:
-            if time.monotonic() > give_up:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
-            time.sleep(0.01)
-        print(f"exit {os.waitstatus_to_exitcode(ended[1])}", flush=True)
-    return 0
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setsid()
+            code = job()
+        finally:
+            os._exit(code)
+    print(f"pid {pid}", flush=True)
+    give_up = time.monotonic() + give_up_s
+    while not (ended := os.waitpid(pid, os.WNOHANG))[0]:
+        if time.monotonic() > give_up:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        time.sleep(0.01)
+    print(f"exit {os.waitstatus_to_exitcode(ended[1])}", flush=True)
 
 
 if __name__ == "__main__":
