@@ -34,7 +34,7 @@ from pathlib import Path
 
 from intralayer import distributed, launch   # torch and torch.distributed: imported once, before any fork
 from intralayer.labs import runner
-from intralayer.labs.check import Replies
+from intralayer.labs.check import Replies, stop_session
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,12 +136,9 @@ def run(module: str, nproc: int, args=(), timeout: float = 120.0, env: dict | No
         pid = server.reply("pid", start + 30.0)
         assert pid is not None, "the warm rank server did not fork the job within 30 s"
         late = server.reply("exit", start + timeout) is None
-        if late:                                   # SIGTERM first: the ranks print their stacks
-            for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 10.0)):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, sig)
-                if server.reply("exit", time.monotonic() + grace) is not None:
-                    break
+        if late and not stop_session(pid, server.replies):     # SIGTERM, then SIGKILL
+            _Server.current = None                                 # a fresh server for the next job
+            launch.stop(server.proc)
         read = {s: {int(p.name.split(".")[0]): p.read_text(errors="replace") for p in sorted(folder.glob(f"*.{s}"))}
                 for s in ("stdout", "stderr")}
         result = launch.LaunchResult(module, nproc, time.monotonic() - start, read["stdout"], read["stderr"])

@@ -214,6 +214,31 @@ class Replies:
         return int(value)
 
 
+def _session_alive(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop_session(pid: int, replies: Replies) -> bool:
+    """Stop a late job forked in session ``pid``: SIGTERM first (its ranks print their stacks), then
+    SIGKILL. True once the server has reported the job's end and no process of the session is left
+    (a rank may outlive its runner for a moment while it prints its stack)."""
+    ended = False
+    for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, sig)
+        until = time.monotonic() + grace
+        ended = ended or replies.next("exit", until) is not None
+        while ended and _session_alive(pid) and time.monotonic() < until:
+            time.sleep(0.02)
+        if ended and not _session_alive(pid):
+            return True
+    return False
+
+
 class _Warm:
     """This kernel's warm runner (``runner --serve``): torch imported once, a runner forked per check.
 
@@ -263,15 +288,9 @@ class _Warm:
             code = self.replies.next("exit", time.monotonic() + deadline)    # from the fork, not the runner's start
             late = code is None
         finally:
-            if code is None:                          # late, or interrupted: stop the job's session
-                for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 10.0)):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(pid, sig)
-                    if self.replies.next("exit", time.monotonic() + grace) is not None:
-                        break
-                else:
-                    _Warm._current = None
-                    self.close()
+            if code is None and not stop_session(pid, self.replies):   # late, or interrupted
+                _Warm._current = None
+                self.close()
         return late
 
 
