@@ -4,7 +4,8 @@ Chromium the math is typeset, the plots are shown, code is highlighted, no scrip
 and every chapter's explorer answers a moved slider with the precomputed chart of the new
 setting — checked against the explorer's own Python function. The explorers' tables the
 build precomputed hold a chart or a sentence for every setting, and what the function returns. Saves screenshots of each
-chapter page and of each explorer after the move (``_build/screenshots/``)."""
+page (its first screen; whole pages with ``SCREENSHOTS=full``, about 2.5 s more each) and of each explorer
+after the move (``_build/screenshots/``)."""
 from __future__ import annotations
 
 import functools
@@ -28,6 +29,7 @@ from tests.explorer_table import lookup
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = sorted(p.stem for p in (ROOT / "chapters").glob("*.ipynb"))
 SHOTS = ROOT / "_build" / "screenshots"
+FULL_PAGE = os.environ.get("SCREENSHOTS") == "full"
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
 
@@ -229,7 +231,7 @@ def test_chapter_renders_in_chromium(server, browser, stem):
     images = page.evaluate("() => Array.from(document.querySelectorAll('article img'))"
                            ".map(i => i.complete && i.naturalWidth > 0)")
     SHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SHOTS / f"{stem}.png"), full_page=True)
+    page.screenshot(path=str(SHOTS / f"{stem}.png"), full_page=FULL_PAGE)
     highlighted = page.evaluate("() => document.querySelectorAll('div.highlight pre span').length")
     page.close()
     assert not outside, f"the page tried to reach the internet: {outside[:5]}"
@@ -331,7 +333,7 @@ def test_book_page_loads_cleanly(html, server, browser, name):
     if has_math:
         page.wait_for_function("() => document.querySelectorAll('mjx-container').length > 0", timeout=30_000)
     SHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SHOTS / f"book-{name}.png"), full_page=True)
+    page.screenshot(path=str(SHOTS / f"book-{name}.png"), full_page=FULL_PAGE)
     title = page.title()
     page.close()
     assert not bad, f"requests failed: {bad[:5]}"
