@@ -109,8 +109,8 @@ def course(tmp_path_factory):
 
 NAMES = list(ASSIGNMENTS)
 LABS = [name for name in NAMES if name.startswith("lab_")]
-# One test per assignment (clearer reports; and pytest-xdist's loadfile scheduler starts files
-# with many tests first, so the round trip's few minutes no longer come last beside an idle worker).
+# One test per assignment: a failure names the assignment. (tests/conftest.py starts this file
+# first, so its few minutes of set-up never come last beside an idle worker.)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -148,17 +148,18 @@ def test_the_correct_submission_reproduces_the_stored_outputs(course, name):
     graded = nbformat.read(course / "autograded" / "correct" / name / ASSIGNMENTS[name][0].name, as_version=4)
     assert len(stored.cells) == len(graded.cells), f"{name}: autograde's copy has another number of cells"
     sanitizers, compared, wrong = determinism.load_sanitizers(), 0, []
-    for number, (mine, ran) in enumerate((a, b) for a, b in zip(stored.cells, graded.cells) if a.cell_type == "code"):
+    code = [(i, a, b) for i, (a, b) in enumerate(zip(stored.cells, graded.cells)) if a.cell_type == "code"]
+    for number, (index, mine, ran) in enumerate(code):
         errors = [f"{o.ename}: {o.evalue}" for o in ran.outputs if o.output_type == "error"]
         assert not errors, f"{name} Cell {number} fails under autograde: {errors[0]}"
         if determinism.exclusion(mine) or (mine.get("execution_count") is None and not mine.outputs):
             continue
         compared += 1
-        want, got = determinism.text_view(mine.outputs, sanitizers), determinism.text_view(ran.outputs, sanitizers)
-        if want != got:
-            at = next((k for k, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
-            wrong.append(f"Cell {number}, line {at + 1}: stored {want[at] if at < len(want) else '(nothing)'!r}, "
-                         f"got {got[at] if at < len(got) else '(nothing)'!r}")
+        views = [("stored", determinism.text_view(mine.outputs, sanitizers)),
+                 ("autograde", determinism.text_view(ran.outputs, sanitizers))]
+        if diff := determinism.cell_diff(number, index, views):       # make determinism's report of a cell
+            wrong.append(f"Cell {number}: " + "; ".join(
+                f"{v.sources[0]}{f' (line {v.line_no})' if v.line_no else ''}: {v.line!r}" for v in diff.variants))
     assert compared, f"{name}: no cell's output was compared"
     assert not wrong, f"{ASSIGNMENTS[name][0].relative_to(ROOT)} is stale or not deterministic:\n" + "\n".join(wrong)
 
