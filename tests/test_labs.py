@@ -348,7 +348,7 @@ def test_bad_input_is_refused_naming_the_rule(call, words):
 
 
 def test_case_layouts():
-    assert layout(2) == [[0, 1], [2, 3]]
+    assert layout(2) == [[1, 2], [0, 3]]                  # group ranks differ from process numbers
     assert layout(4) == [[0, 1, 2, 3]]
     assert layout(3) == [[1, 2, 3]]                       # group ranks differ from process numbers
     with pytest.raises(ValueError, match="a case needs 1 to 4 ranks"):

@@ -55,7 +55,7 @@ Adding the lab of chapter NN
    ``pytest -n 0 tests/test_exercises.py -k NN`` and nbval on the lab.
 4. One line in the chapter's summary cell and a row in book/instructors.md.
 """
-from .check import Check, LabFailure, Report, run_many, show
+from .check import Check, LabFailure, Report, progress, run_many, show
 from .parts import every, get
 
-__all__ = ["Check", "LabFailure", "Report", "every", "get", "run_many", "show"]
+__all__ = ["Check", "LabFailure", "Report", "every", "get", "progress", "run_many", "show"]

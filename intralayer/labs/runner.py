@@ -62,11 +62,19 @@ WORLD = 4
 
 
 def layout(ranks: int, world: int = WORLD) -> list[list[int]]:
-    """The groups a case of ``ranks`` ranks runs on: all of them, or disjoint runs of them, or the last ones."""
+    """The groups a case of ``ranks`` ranks runs on, each as sorted process numbers.
+
+    Two ranks run on the pairs [1, 2] and [0, 3] at once, three on [1, 2, 3], four on all:
+    in every case but the last, some group rank differs from its process number, so code
+    that uses ``dist.get_rank()`` (the process number) where it needs ``dist.get_rank(group)``
+    fails in the visible cases too.
+    """
     if not 1 <= ranks <= world:
         raise ValueError(f"a case needs 1 to {world} ranks, not {ranks}")
-    if world % ranks == 0:
-        return [list(range(i, i + ranks)) for i in range(0, world, ranks)]
+    if ranks == world:
+        return [list(range(world))]
+    if 2 * ranks == world:
+        return [list(range(1, ranks + 1)), sorted({0, *range(ranks + 1, world)})]
     return [list(range(world - ranks, world))]
 
 
