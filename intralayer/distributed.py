@@ -39,6 +39,10 @@ import torch.distributed as dist
 TIMEOUT_ENV = "INTRALAYER_PG_TIMEOUT"
 DEFAULT_TIMEOUT_S = 60.0
 
+#: Where the ranks meet instead of MASTER_ADDR:MASTER_PORT, e.g. ``file:///tmp/job/store``
+#: (a FileStore): how :mod:`intralayer.ranks` starts its ranks.
+INIT_ENV = "INTRALAYER_INIT_METHOD"
+
 _REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -95,7 +99,8 @@ class setup:
         self._stack_on_sigterm = False
 
     def __enter__(self) -> Dist:
-        missing = [k for k in _REQUIRED if k not in os.environ]
+        required = _REQUIRED[:4] if os.environ.get(INIT_ENV) else _REQUIRED
+        missing = [k for k in required if k not in os.environ]
         if missing:
             raise RuntimeError(
                 f"environment variables {', '.join(missing)} are not set: start this program "
@@ -127,6 +132,7 @@ class setup:
             device = torch.device("cpu")
         dist.init_process_group(
             backend=backend,
+            init_method=os.environ.get(INIT_ENV) or None,
             rank=rank,
             world_size=world,
             timeout=timedelta(seconds=self.timeout_s),

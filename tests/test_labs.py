@@ -21,12 +21,16 @@ import time
 from pathlib import Path
 
 import nbformat
+import multiprocessing.forkserver
+
 import psutil
 import pytest
 
 from intralayer import labs
 from intralayer.collectives import ring_all_reduce as library_ring
-from intralayer.labs import parts, source
+import cloudpickle
+
+from intralayer.labs import parts, transport
 from intralayer.labs.runner import layout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,23 +133,12 @@ def _ring_source(body: str):
 
 
 def runners() -> list[psutil.Process]:
-    """Lab runner processes this test process started that are still alive: its descendants,
-    and orphans (re-parented to init). Another test worker's runners, busy with its own
-    notebooks at the same time, are neither. This process's warm runner (``runner --serve``,
-    which waits for the next check) is not a leftover; a runner it forked for a check is."""
-    warm = labs.check._Warm._current
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if not any("intralayer.labs.runner" in part for part in (p.info["cmdline"] or [])):
-                continue
-            if warm is not None and p.pid == warm.proc.pid:
-                continue
-            if p.ppid() == 1 or os.getpid() in {a.pid for a in p.parents()}:
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
+    """Ranks of this process's pool still alive: the fork server's children (it forks every rank)."""
+    pid = multiprocessing.forkserver._forkserver._forkserver_pid
+    try:
+        return psutil.Process(pid).children(recursive=True) if pid else []
+    except psutil.NoSuchProcess:
+        return []
 
 
 RING = ("def ring_all_reduce(x, group):\n"
@@ -163,37 +156,58 @@ RING = ("def ring_all_reduce(x, group):\n"
         "    return torch.cat(chunks)\n")
 
 
-def test_a_passing_check_forks_its_ranks_from_one_interpreter():
-    """The runner forks (one import of torch for all ranks) where that is safe; falling back to
-    spawn would still pass, five times slower, so this says so."""
+def test_a_passing_check_forks_its_ranks_from_the_warm_fork_server():
+    """The pool's ranks are forked from multiprocessing's fork server, which imported torch once."""
     fn = _ring_source(RING)
     [report] = labs.run_many([labs.Check("ring_all_reduce", fn).on(ranks=2).on(ranks=3).on(ranks=4)])
     assert isinstance(report, labs.Report), report
     assert [line.split(":")[0] for line in report.lines] == [f"ring_all_reduce passed on {n} ranks" for n in (2, 3, 4)]
-    if sys.platform.startswith("linux"):
-        assert report.start_method == "fork", f"the ranks were started with {report.start_method!r}, not forked"
+    assert report.start_method == "forkserver"
 
 
-def test_checks_share_one_warm_runner_and_a_dead_one_is_replaced():
-    """A notebook's checks fork their runners from one warm process (torch imported once):
-    the second check reuses it and takes well under the ~2.4 s an import of torch costs here;
-    if it dies, the next check starts another and still passes."""
+def test_checks_share_one_fork_server_and_a_dead_one_is_replaced():
+    """A second check reuses the fork server (torch is not imported again) and takes well under the
+    ~2.4 s an import of torch costs here; if the server dies, the next check starts another."""
     fn = _ring_source(RING)
     first = labs.run_many([labs.Check("ring_all_reduce", fn).on(ranks=2)])[0]
     assert isinstance(first, labs.Report), first
-    warm = labs.check._Warm._current
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
     start = time.monotonic()
     again = labs.run_many([labs.Check("ring_all_reduce", fn).on(ranks=4)])[0]
     took = time.monotonic() - start
     assert isinstance(again, labs.Report), again
-    assert labs.check._Warm._current is warm and warm.proc.poll() is None, "the warm runner was not reused"
-    assert took < 2.0 or os.getloadavg()[0] > 3, f"a check with a warm runner took {took:.1f} s"
-    warm.proc.kill()
-    warm.proc.wait()
+    assert multiprocessing.forkserver._forkserver._forkserver_pid == server, "the fork server was not reused"
+    assert took < 2.0 or os.getloadavg()[0] > 3, f"a check with a warm fork server took {took:.1f} s"
+    assert len(psutil.Process(server).threads()) == 1, "the fork server has more than one thread: forking is unsafe"
+    os.kill(server, 9)
     third = labs.run_many([labs.Check("ring_all_reduce", fn).on(ranks=3)])[0]
     assert isinstance(third, labs.Report), third
-    assert labs.check._Warm._current is not warm and labs.check._Warm._current.proc.poll() is None
+    assert multiprocessing.forkserver._forkserver._forkserver_pid != server
     assert not runners()
+
+
+def test_what_the_ranks_print_is_shown_under_the_verdict_pass_or_fail():
+    loud = _ring_source(RING.replace("    return torch.cat(chunks)\n",
+                                     "    print('sum', float(sum(c.sum() for c in chunks)))\n"
+                                     "    return torch.cat(chunks)\n"))
+    [report] = labs.run_many([labs.Check("ring_all_reduce", loud).on(ranks=2)])
+    assert isinstance(report, labs.Report), report
+    text = str(report)
+    assert "What your code printed on the ranks:" in text
+    assert "[case 1: 2 ranks, group rank 0 (process 1)] sum" in text and "group rank 1 (process 3)] sum" in text, text
+    wrong = _ring_source(RING.replace("    return torch.cat(chunks)\n",
+                                      "    print('my chunks', len(chunks))\n    return 2 * torch.cat(chunks)\n"))
+    [failure] = labs.run_many([labs.Check("ring_all_reduce", wrong).on(ranks=2)])
+    assert isinstance(failure, labs.LabFailure), failure
+    assert "is not right yet" in str(failure) and "] my chunks 2" in str(failure), str(failure)
+
+
+def test_a_peer_named_by_its_process_number_is_explained():
+    fn = _ring_source(RING.replace("group_peer=right", "peer=(dist.get_rank() + 1) % n")
+                      .replace("group_peer=left", "peer=(dist.get_rank() - 1) % n"))
+    [failure] = labs.run_many([labs.Check("ring_all_reduce", fn).on(ranks=2)], group_timeout=3.0)
+    assert isinstance(failure, labs.LabFailure), failure
+    assert "it named process 1 as a peer" in str(failure) and "name peers by group rank" in str(failure), str(failure)
 
 
 def test_a_deadlock_ends_at_the_group_timeout_naming_the_line():
@@ -235,7 +249,7 @@ def test_a_rank_that_dies_is_reported():
         "    return x\n")
     [result] = labs.run_many([labs.Check("ring_all_reduce", fn).on(ranks=2)], deadline=40.0, group_timeout=2.0)
     assert isinstance(result, labs.LabFailure), result
-    assert "process 1 exited with code 3" in str(result) and "lost their peer" in str(result), str(result)
+    assert "process 2 exited with code 3" in str(result) and "lost their peer" in str(result), str(result)
     assert not runners()
 
 
@@ -258,19 +272,16 @@ def unwritten(x, group):
     raise NotImplementedError()
 
 
-def test_source_brings_helpers_constants_and_imports():
-    module = source.module_text({"ring_all_reduce": uses_helper})
-    assert "def helper(x):" in module.text and "def uses_helper(x, group):" in module.text
-    assert "SCALE = 3" in module.text and module.text.rstrip().endswith("ring_all_reduce = uses_helper")
-    namespace = {}
-    exec(compile(module.text, "<module>", "exec"), namespace)  # noqa: S102
-    assert namespace["ring_all_reduce"](2, None) == 6
-    first = module.pieces[-1].first_line
-    assert module.where(first + 1) == "line 2 of uses_helper"
-    assert module.line(first + 1) == "return helper(x)"
+def test_helpers_constants_and_aliases_travel_by_value():
+    package = transport.pack({"ring_all_reduce": uses_helper})
+    assert cloudpickle.loads(package.payload)["ring_all_reduce"](2, None) == 6
+    assert {fn.__name__ for fn in package.functions} == {"uses_helper", "helper"}     # helper: of the same module
+    line = uses_helper.__code__.co_firstlineno + 1
+    assert package.where(__file__, line) == "line 2 of uses_helper"
+    assert package.line(__file__, line) == "return helper(x)"
 
 
-def test_source_refuses_what_cannot_travel_in_words():
+def test_what_cannot_travel_is_refused_in_words():
     import torch
 
     table = torch.zeros(3)
@@ -284,18 +295,18 @@ def test_source_refuses_what_cannot_travel_in_words():
     def uses_global_tensor(x, group):
         return x + TABLE
 
-    with pytest.raises(source.SourceError, match="uses the notebook variable TABLE .a Tensor., which cannot"):
-        source.module_text({"f": uses_global_tensor})
-    with pytest.raises(source.SourceError, match="uses table, a variable of the function it was defined in"):
-        source.module_text({"f": uses_tensor})
-    with pytest.raises(source.SourceError, match="a lambda cannot be sent"):
-        source.module_text({"f": lambda x, group: x})
-    with pytest.raises(source.SourceError, match="not a function or class"):
-        source.module_text({"f": 3})
+    with pytest.raises(transport.SourceError, match="uses the notebook variable TABLE .a Tensor., which cannot"):
+        transport.pack({"f": uses_global_tensor})
+    with pytest.raises(transport.SourceError, match="uses the notebook variable table .a Tensor."):
+        transport.pack({"f": uses_tensor})
+    with pytest.raises(transport.SourceError, match="is a lambda, which cannot be sent"):
+        transport.pack({"f": lambda x, group: x})
+    with pytest.raises(transport.SourceError, match="not a function or class"):
+        transport.pack({"f": 3})
 
 
-def test_a_class_is_found_in_the_cell_of_its_methods():
-    """IPython keeps cells in linecache; a class's module (__main__) has no file to read it from."""
+def test_a_notebook_class_travels_and_its_blank_method_is_found():
+    """IPython's cells have no module file: cloudpickle sends the class by value."""
     cell = ("import torch\n\nclass Twice(torch.autograd.Function):\n    @staticmethod\n"
             "    def forward(ctx, x, group):\n        return 2 * x\n\n    @staticmethod\n"
             "    def backward(ctx, g):\n        raise NotImplementedError()\n")
@@ -303,10 +314,10 @@ def test_a_class_is_found_in_the_cell_of_its_methods():
     linecache.cache[name] = (len(cell), None, cell.splitlines(True), name)
     namespace = {"__name__": "__main__"}
     exec(compile(cell, name, "exec"), namespace)  # noqa: S102
-    module = source.module_text({"CopyToGroup": namespace["Twice"]})
-    assert "class Twice(torch.autograd.Function):" in module.text and "import torch" in module.text
-    assert module.text.rstrip().endswith("CopyToGroup = Twice")
-    assert source.unwritten(module) == ["Twice.backward"]
+    package = transport.pack({"CopyToGroup": namespace["Twice"]})
+    assert cloudpickle.loads(package.payload)["CopyToGroup"].forward(None, 3, None) == 6
+    assert transport.unwritten(package) == ["Twice.backward"]
+    assert package.where(name, 6) == "line 2 of Twice.forward"
 
 
 def test_a_blank_exercise_is_refused_before_anything_starts():

@@ -58,4 +58,6 @@ Adding the lab of chapter NN
 from .check import Check, LabFailure, Report, progress, run_many, show
 from .parts import every, get
 
+every()          # every chapter's parts, registered at once: a rank finds them all already imported
+
 __all__ = ["Check", "LabFailure", "Report", "every", "get", "progress", "run_many", "show"]

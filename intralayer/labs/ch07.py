@@ -122,7 +122,7 @@ def schedule(weight: torch.Tensor, storages: set | None = None):
     tensors in ``storages``, copies of it seen before; the set grows with new copies)."""
     storages = {weight.untyped_storage().data_ptr()} if storages is None else storages
     flight = {"posted": 0, "pending": set()}
-    recv, wait = ProcessGroup.recv, dist.Work.wait
+    recv, wait = vars(ProcessGroup)["recv"], vars(dist.Work)["wait"]    # the descriptors, restored as they were
 
     def recv_(self, *args, **kwargs):
         work = recv(self, *args, **kwargs)

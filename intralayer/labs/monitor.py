@@ -1,19 +1,21 @@
 """What the learner's code sends, seen from inside a rank: every collective and point-to-point call.
 
-:mod:`intralayer.comm`'s accounting records the calls made through the course's own
-functions; a lab's learner writes raw ``torch.distributed`` calls instead. Every one of
-those (``dist.send``, ``isend``, ``batch_isend_irecv``, ``all_reduce``, ``all_gather``,
-``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_to_all_single``, …, and
-:mod:`intralayer.comm`, which calls them) ends in a method of the process group object:
-``send``, ``recv``, ``allreduce``, ``allgather``, ``_allgather_base``, …. :func:`install`
-wraps those methods once per rank; inside ``with watch() as calls:`` each call appends a
-:class:`Call` (the operation, the group, the peer, the size, and a copy of what a send
-carried), and a call of an operation the lab forbids raises :class:`Forbidden` before
-anything is sent. Outside a ``watch`` the wrappers only pass the call on.
+Every ``torch.distributed`` call that moves data — ``send``, ``isend``,
+``batch_isend_irecv``, ``all_reduce``, ``all_gather_into_tensor``, ``all_to_all_single``, …,
+and :mod:`intralayer.comm`, which calls them — reaches the dispatcher as a ``c10d`` operator
+(``c10d::send``, ``c10d::allreduce_``, …). Inside ``with watch() as calls:`` a
+:class:`~torch.utils._python_dispatch.TorchDispatchMode` (the mechanism of torch's own
+``CommDebugMode``) sees each one before it runs and appends a :class:`Call`: the operation,
+the group's ranks, the peer, the size, and a copy of what a send carries. A call of an
+operation the lab forbids raises :class:`Forbidden` before anything is sent.
 
-Collectives issued from C++ (``torch.distributed._functional_collectives``, DTensor) do
-not pass through these methods and are not seen: a lab that counts its calls then sees
-none, and fails the count.
+Measured on the pinned torch 2.13 with gloo: all of ``send``, ``recv`` (``recv_``, also from
+``irecv`` and ``batch_isend_irecv``), ``allreduce_``, ``allgather_``, ``_allgather_base_``,
+``_reduce_scatter_base_``, ``alltoall_base_``, ``broadcast_`` and ``barrier`` reach the mode
+on CPU tensors. What the dispatcher does not see is a request's ``wait()`` (``Work.wait`` is a
+method, not an operator): :func:`watch` wraps it, to tell a second wait on the same request
+apart from a deadlock. The process group arrives as a script object; ``ProcessGroup.unbox``
+turns it back into the Python group (the same object the learner passed).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import ProcessGroup
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class Forbidden(RuntimeError):
@@ -46,138 +48,106 @@ class Call:
         return self.elements * self.itemsize
 
 
-_active: list[tuple[list[Call], frozenset, str]] = []
-_installed = False
-
-
-def _ranks(pg) -> tuple[int, ...]:
-    try:
-        return tuple(dist.get_process_group_ranks(pg))
-    except (ValueError, RuntimeError):
-        return ()
-
-
-def _first_tensor(obj):
-    while isinstance(obj, (list, tuple)) and obj:
-        obj = obj[0]
-    return obj if isinstance(obj, torch.Tensor) else None
-
-
-def _all_tensors(obj) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _all_tensors(o)]
-    return []
-
-
-def _reduce_name(args, kwargs) -> str | None:
-    """'SUM', 'MAX', … from a call's options (``AllreduceOptions.reduceOp``) or a bare ReduceOp."""
-    for a in list(args) + list(kwargs.values()):
-        op = getattr(a, "reduceOp", a)
-        op = getattr(op, "op", op)                               # a ReduceOp object wraps its RedOpType
-        if isinstance(op, dist.ReduceOp.RedOpType):
-            return str(op).split(".")[-1]
-    return None
-
-
-def _describe(method: str, args, kwargs) -> list[tuple]:
-    """``[(op, peer, elements, itemsize, data, reduce)]`` for one process-group method call."""
-    if method == "send":
-        tensors, peer = args[0], args[1]
-        return [("send", int(peer), t.numel(), t.element_size(), t.detach().clone(), None) for t in tensors]
-    if method in ("recv", "recv_anysource"):
-        tensors = args[0]
-        peer = int(args[1]) if method == "recv" else None
-        return [("recv", peer, t.numel(), t.element_size(), None, None) for t in tensors]
-    reduce = _reduce_name(args[1:], kwargs)
-    if method in ("allreduce", "allreduce_coalesced"):
-        return [("all_reduce", None, t.numel(), t.element_size(), None, reduce or "SUM") for t in _all_tensors(args[0])]
-    if method in ("allgather", "allgather_coalesced"):
-        outs = _all_tensors(args[0])
-        t = _first_tensor(args[1])
-        return [("all_gather", None, sum(o.numel() for o in outs), t.element_size() if t is not None else 0,
-                 None, None)]
-    if method in ("_allgather_base", "all_gather_single", "all_gather_single_coalesced",
-                  "allgather_into_tensor_coalesced"):
-        outs = _all_tensors(args[0])
-        return [("all_gather", None, sum(o.numel() for o in outs), outs[0].element_size() if outs else 0, None, None)]
-    if method in ("reduce_scatter", "reduce_scatter_single", "_reduce_scatter_base",
-                  "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"):
-        ins = _all_tensors(args[1])
-        return [("reduce_scatter", None, sum(i.numel() for i in ins), ins[0].element_size() if ins else 0,
-                 None, reduce or "SUM")]
-    if method in ("alltoall", "alltoall_base", "all_to_all_single"):
-        ins = _all_tensors(args[1])
-        return [("all_to_all", None, sum(i.numel() for i in ins), ins[0].element_size() if ins else 0, None, None)]
-    if method in ("broadcast", "reduce", "gather", "scatter"):
-        t = _first_tensor(args[0]) if method in ("broadcast", "reduce") else (
-            _first_tensor(args[1]) if len(args) > 1 and _first_tensor(args[1]) is not None else _first_tensor(args[0]))
-        return [(method, None, t.numel() if t is not None else 0, t.element_size() if t is not None else 0,
-                 None, reduce if method == "reduce" else None)]
-    return []
-
-
-#: The process-group methods that move data, wrapped by :func:`install`.
-METHODS = ("send", "recv", "recv_anysource", "allreduce", "allreduce_coalesced", "allgather",
-           "allgather_coalesced", "_allgather_base", "all_gather_single", "all_gather_single_coalesced",
-           "allgather_into_tensor_coalesced", "reduce_scatter", "reduce_scatter_single", "_reduce_scatter_base",
-           "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced", "alltoall", "alltoall_base",
-           "all_to_all_single", "broadcast", "reduce", "gather", "scatter")
-
+#: c10d operator → (the lab's name for it, the argument whose tensors give S, where the peer is).
+_OPS = {
+    "send": ("send", "tensors", "dst"), "recv_": ("recv", "tensors", "src"), "recv_any_source_": ("recv", "tensors", None),
+    "allreduce_": ("all_reduce", "tensors", None), "allreduce_coalesced_": ("all_reduce", "tensors", None),
+    "allgather_": ("all_gather", "output_tensors", None), "_allgather_base_": ("all_gather", "output_tensor", None),
+    "allgather_coalesced_": ("all_gather", "output_lists", None),
+    "allgather_into_tensor_coalesced_": ("all_gather", "outputs", None),
+    "reduce_scatter_": ("reduce_scatter", "input_tensors", None),
+    "_reduce_scatter_base_": ("reduce_scatter", "input_tensor", None),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "inputs", None),
+    "alltoall_": ("all_to_all", "input_tensors", None), "alltoall_base_": ("all_to_all", "input", None),
+    "broadcast_": ("broadcast", "tensors", None), "reduce_": ("reduce", "tensors", None),
+    "gather_": ("gather", "input_tensors", None), "scatter_": ("scatter", "output_tensors", None),
+}
 #: Friendly names of every operation a lab may forbid (the ``op`` of a :class:`Call`).
-OPERATIONS = frozenset({"send", "recv", "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
-                        "broadcast", "reduce", "gather", "scatter"})
+OPERATIONS = frozenset(op for op, _, _ in _OPS.values())
 COLLECTIVES = OPERATIONS - {"send", "recv"}
 
 
-def _wrap(method: str):
-    original = getattr(ProcessGroup, method)
+def _tensors(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    return [t for o in obj for t in _tensors(o)] if isinstance(obj, (list, tuple)) else []
 
-    def wrapper(self, *args, **kwargs):
-        if _active:
-            described = _describe(method, args, kwargs)
-            if described and self is dist.group.WORLD:
+
+def _reduction(op) -> str | None:
+    """'SUM', 'AVG', … of a ReduceOp script object."""
+    return None if op is None else dist.ReduceOp.RedOpType(op.op()).name      # its one method: the enum's value
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, watches: list):
+        super().__init__()
+        self.watches = watches
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "c10d" and func._opname in _OPS:
+            op, sized, peer_arg = _OPS[func._opname]
+            named = {a.name: v for a, v in zip(func._schema.arguments, args)}
+            named.update(kwargs)
+            group = dist.ProcessGroup.unbox(named["process_group"])
+            if group is dist.group.WORLD:
                 raise Forbidden("this call used the default process group (every process of the job), not the "
                                 "group it was given: pass group=group to every torch.distributed call")
-            for _, forbid, why in _active:
-                for op, *_ in described:
-                    if op in forbid:
-                        raise Forbidden(f"{op.replace('_', '-')} is not allowed here: {why}")
-            group = _ranks(self)
-            made = [Call(op, group, peer, elements, itemsize, data, reduce)
-                    for op, peer, elements, itemsize, data, reduce in described]
-            for calls, _, _ in _active:
-                calls.extend(made)
-        return original(self, *args, **kwargs)
+            for _, forbid, why in self.watches:
+                if op in forbid:
+                    raise Forbidden(f"{op.replace('_', '-')} is not allowed here: {why}")
+            tensors = _tensors(named[sized])
+            calls = [Call(op, tuple(dist.get_process_group_ranks(group)),
+                          None if peer_arg is None else int(named[peer_arg]), t.numel(), t.element_size(),
+                          t.detach().clone() if op == "send" else None, _reduction(named.get("reduce_op")))
+                     for t in (tensors if op in ("send", "recv") else tensors[:1])]
+            if calls and op not in ("send", "recv"):                # one call: S is the whole operand
+                calls[0].elements = sum(t.numel() for t in tensors)
+                if op in ("all_reduce", "reduce_scatter") and calls[0].reduce is None:
+                    calls[0].reduce = "SUM"
+            for recorded, _, _ in self.watches:
+                recorded.extend(calls)
+        return func(*args, **kwargs)
 
-    wrapper.__name__ = method
-    wrapper.__wrapped__ = original
-    return wrapper
+
+_watches: list[tuple[list[Call], frozenset, str]] = []
+_waited: dict[int, object] = {}             # the requests waited on (kept alive: their ids stay theirs)
 
 
 def install() -> None:
-    """Wrap the process group's data-moving methods (once per process)."""
-    global _installed
-    if _installed:
-        return
-    for method in METHODS:
-        if hasattr(ProcessGroup, method):
-            setattr(ProcessGroup, method, _wrap(method))
-    _installed = True
+    """Nothing to install: kept for callers of the earlier monitor (the recorder needs no patching)."""
+
+
+def _wait_once(wait):
+    def checked(self, *args, **kwargs):
+        if _watches:
+            if id(self) in _waited:
+                raise Forbidden("wait() was called a second time on the same request: a request is waited on "
+                                "once (after its first wait it is done; keep the result, not the request)")
+            _waited[id(self)] = self
+        return wait(self, *args, **kwargs)
+    return checked
 
 
 @contextmanager
 def watch(forbid: frozenset | set = frozenset(), why: str = ""):
     """Record every data-moving call in the block; raise :class:`Forbidden` on a forbidden one."""
-    if not _installed:
-        raise RuntimeError("call monitor.install() before watch()")
     bad = set(forbid) - OPERATIONS
     if bad:
         raise ValueError(f"unknown operations {sorted(bad)}; the operations are {sorted(OPERATIONS)}")
     calls: list[Call] = []
-    _active.append((calls, frozenset(forbid), why))
+    outermost = not _watches
+    _watches.append((calls, frozenset(forbid), why))
+    if outermost:
+        wait = vars(dist.Work)["wait"]           # the descriptor itself: restored as it was
+        dist.Work.wait = _wait_once(wait)
+        mode = _Recorder(_watches)
+        mode.__enter__()
     try:
         yield calls
     finally:
-        _active.pop()
+        if outermost:
+            mode.__exit__(None, None, None)
+            dist.Work.wait = wait
+            _waited.clear()
+        _watches.pop()
