@@ -228,11 +228,9 @@ def _collect(procs, conns, outcomes, until: float, stop_on_failure: bool) -> Non
                 r = running.pop(item)
                 procs[r].join()
                 outcomes[r].exitcode = procs[r].exitcode
-                failed = outcomes[r].exitcode != 0 or outcomes[r].error is not None
-                if stop_on_failure and failed:
-                    stop(procs)
-        if stop_on_failure and any(o.error is not None for o in outcomes):
-            stop(procs)
+        failed = [o for o in outcomes if o.error is not None or o.exitcode not in (None, 0)]
+        if stop_on_failure and failed:                  # torchrun's rule: the others are stopped
+            stop([p for r, p in enumerate(procs) if outcomes[r].error is None])
     for r, p in enumerate(procs):                       # exit codes of ranks that ended in the last round
         if outcomes[r].exitcode is None and not p.is_alive():
             outcomes[r].exitcode = p.exitcode

@@ -1,6 +1,10 @@
 """Suite-wide: the time each notebook took, slowest first; and the order files start in."""
 from collections import defaultdict
 
+import pytest
+
+from intralayer import ranks
+
 
 def pytest_terminal_summary(terminalreporter):
     per_file = defaultdict(float)
@@ -27,3 +31,10 @@ def pytest_collection_modifyitems(items):
     def rank(item):
         return next((i for i, prefix in enumerate(LONG_POLES) if item.nodeid.startswith(prefix)), len(LONG_POLES))
     items.sort(key=rank)           # stable: within a file, and among the rest, the order is kept
+
+
+@pytest.fixture
+def pool():
+    """Run ``python -m module`` on N ranks of this worker's warm pool (:mod:`intralayer.ranks`):
+    ``launch.run``'s contract without torchrun's cost (torch is imported once, by the fork server)."""
+    return ranks.launch

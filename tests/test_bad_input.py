@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 from intralayer import comm, planner, rules
-from tests import warm_ranks
 from intralayer import context_parallel as cp
 from intralayer import expert_parallel as ep
 from intralayer import sequence_parallel as sp
@@ -225,8 +224,8 @@ def test_check_tensor_messages():
 
 # ------------------------------------------------------------------ (c) on 2 real ranks
 
-def test_every_case_is_refused_on_two_ranks_and_the_ranks_still_talk():
-    result = warm_ranks.run("tests.programs.bad_input_checks", 2, env=ENV, timeout=120, show=False)
+def test_every_case_is_refused_on_two_ranks_and_the_ranks_still_talk(pool):
+    result = pool("tests.programs.bad_input_checks", 2, env=ENV, timeout=120)
     assert f"{cases.MARKER} 2 ranks" in result.output
     counted = int(re.search(r"\((\d+) cases\)", result.output).group(1))
     assert counted >= len(cases.GRID) + len(cases.EXTRA) + 8

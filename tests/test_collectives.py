@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from intralayer import collectives as C
-from tests import warm_ranks
 from intralayer import comm
 
 NS = range(1, 7)
@@ -330,19 +329,18 @@ def test_fit_rejects_an_unknown_collective():
 # ------------------------------------------------------------------ real ranks: chapter 00's programs
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_hello_allreduce_sums_the_rank_numbers(nproc):
-    result = warm_ranks.run("intralayer.programs.hello_allreduce", nproc, show=False, timeout=60)
+def test_hello_allreduce_sums_the_rank_numbers(pool, nproc):
+    result = pool("intralayer.programs.hello_allreduce", nproc, timeout=60)
     total = nproc * (nproc - 1) // 2
     assert result.output.strip() == (f"{nproc} ranks, gloo: the all-reduce of the rank numbers 0 … {nproc - 1} "
                                      f"left {total} on every rank: correct")
     assert all(result.stdout[r] == "" for r in range(1, nproc))   # only rank 0 prints
 
 
-def test_bandwidth_records_what_gloo_ran(tmp_path):
+def test_bandwidth_records_what_gloo_ran(pool, tmp_path):
     """gloo runs a reduce-scatter as an all-reduce of a copy (chapter 00, section 5)."""
     out = tmp_path / "bw.json"
-    warm_ranks.run("intralayer.programs.bandwidth", 2, args=["--max-bytes", "1024", "--repeats", "1", "--out", out],
-               show=False, timeout=60)
+    pool("intralayer.programs.bandwidth", 2, args=["--max-bytes", "1024", "--repeats", "1", "--out", out], timeout=60)
     measured = json.loads(out.read_text())
     assert measured["backend"] == "gloo" and measured["sizes"] == [256, 1024]
     assert measured["backend_calls"] == {"all_reduce": ["gloo:all_reduce"], "all_gather": ["gloo:all_gather"],

@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 from intralayer import context_parallel as cp
-from tests import warm_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 from tests.programs import cp_checks
@@ -38,14 +37,14 @@ ENV = {"PYTHONPATH": str(ROOT)}
 # ------------------------------------------------------------------ (a) on real ranks
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_ring_and_ulysses_match_sdpa_on_real_ranks(nproc):
-    result = warm_ranks.run("tests.programs.cp_checks", nproc, env=ENV, timeout=120, show=False)
+def test_ring_and_ulysses_match_sdpa_on_real_ranks(pool, nproc):
+    result = pool("tests.programs.cp_checks", nproc, env=ENV, timeout=120)
     assert f"{cp_checks.MARKER} {nproc}" in result.output
     assert all("Traceback" not in text for text in result.stderr.values())
 
 
-def test_ring_attention_keeps_float64_precision():
-    result = warm_ranks.run("tests.programs.cp_checks", 2, args=["float64-ring"], env=ENV, timeout=60, show=False)
+def test_ring_attention_keeps_float64_precision(pool):
+    result = pool("tests.programs.cp_checks", 2, args=["float64-ring"], env=ENV, timeout=60)
     assert f"{cp_checks.FLOAT64_RING_MARKER} 2" in result.output
 
 

@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from intralayer import expert_parallel as ep
-from tests import warm_ranks
 from intralayer.moe import MoELayer, topk_route
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,14 +36,14 @@ ENV = {"PYTHONPATH": str(ROOT)}
 # ------------------------------------------------------------------ (a) on real ranks
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_expert_parallel_matches_the_dense_layer_on_real_ranks(nproc):
-    result = warm_ranks.run("tests.programs.ep_checks", nproc, env=ENV, timeout=120, show=False)
+def test_expert_parallel_matches_the_dense_layer_on_real_ranks(pool, nproc):
+    result = pool("tests.programs.ep_checks", nproc, env=ENV, timeout=120)
     assert f"{ep_checks.MARKER} {nproc}" in result.output
     assert all("Traceback" not in text for text in result.stderr.values())
 
 
-def test_timed_forward_runs_as_many_micro_batches_as_asked():
-    result = warm_ranks.run("tests.programs.ep_checks", 2, args=["micro-batches"], env=ENV, timeout=60, show=False)
+def test_timed_forward_runs_as_many_micro_batches_as_asked(pool):
+    result = pool("tests.programs.ep_checks", 2, args=["micro-batches"], env=ENV, timeout=60)
     assert f"{ep_checks.MICRO_MARKER} 2" in result.output
 
 

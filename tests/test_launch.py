@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from intralayer import comm, distributed, launch
-from tests import warm_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 from tests.programs import comm_checks, misbehave
@@ -79,8 +78,8 @@ def test_chapter_program_is_all_correct(nproc, capsys):
 # ------------------------------------------------------------------ (b) every comm function
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_comm_forward_backward_and_accounting(nproc):
-    result = warm_ranks.run("tests.programs.comm_checks", nproc, env=ENV, timeout=60, show=False)
+def test_comm_forward_backward_and_accounting(pool, nproc):
+    result = pool("tests.programs.comm_checks", nproc, env=ENV, timeout=60)
     assert f"{comm_checks.MARKER} {nproc}" in result.output
     assert all("Traceback" not in text for text in result.stderr.values())
 

@@ -27,7 +27,6 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.testing import assert_close
 
 from intralayer import comm, overlap
-from tests import warm_ranks
 from intralayer.collectives import LINKS, collective_time
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,8 +38,8 @@ ENV = {"PYTHONPATH": str(ROOT)}
 # ------------------------------------------------------------------ (a) on real ranks
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_collective_matmuls_match_unfused_on_real_ranks(nproc):
-    result = warm_ranks.run("tests.programs.overlap_checks", nproc, env=ENV, timeout=300, show=False)
+def test_collective_matmuls_match_unfused_on_real_ranks(pool, nproc):
+    result = pool("tests.programs.overlap_checks", nproc, env=ENV, timeout=300)
     assert f"{overlap_checks.MARKER} {nproc}" in result.output
     assert all("Traceback" not in text for text in result.stderr.values())
 

@@ -8,7 +8,6 @@ import math
 import pytest
 
 from intralayer import context_parallel as cp, memory, model, moe, rules
-from tests import warm_ranks
 from intralayer import planner as P
 
 H100 = P.CLUSTERS["1024× H100 (128 nodes of 8, InfiniBand)"]
@@ -468,14 +467,14 @@ def test_the_chapter_explorer_grid_answers_or_explains():
     assert answered and refused
 
 
-def test_mesh_demo_matches_the_dense_model_on_a_2x2_grid():
+def test_mesh_demo_matches_the_dense_model_on_a_2x2_grid(pool):
     """TP+SP within tp pairs, EP across dp pairs, DP over batches: output and every gradient."""
-    result = warm_ranks.run("intralayer.programs.mesh_demo", 4, timeout=120, show=False)
+    result = pool("intralayer.programs.mesh_demo", 4, timeout=120)
     assert "all checks passed on every rank" in result.output
     assert "(1, 1)" in result.output
 
 
-def test_mesh_demo_refuses_a_grid_it_cannot_form():
+def test_mesh_demo_refuses_a_grid_it_cannot_form(pool):
     from intralayer import launch
     with pytest.raises(launch.LaunchError, match="2 × 2 grid"):
-        warm_ranks.run("intralayer.programs.mesh_demo", 2, timeout=60, show=False)
+        pool("intralayer.programs.mesh_demo", 2, timeout=60)

@@ -14,7 +14,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from intralayer import model
-from tests import warm_ranks
 from intralayer import sequence_parallel as sp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,8 +26,8 @@ H, HEADS = 16, 4
 # ------------------------------------------------------------------ (a) on real ranks
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_sequence_parallel_block_matches_its_dense_twin(nproc):
-    result = warm_ranks.run("tests.programs.sp_checks", nproc, env=ENV, timeout=90, show=False)
+def test_sequence_parallel_block_matches_its_dense_twin(pool, nproc):
+    result = pool("tests.programs.sp_checks", nproc, env=ENV, timeout=90)
     assert f"{sp_checks.MARKER} {nproc}" in result.output
     assert all("Traceback" not in text for text in result.stderr.values())
 

@@ -19,7 +19,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from intralayer import model
-from tests import warm_ranks
 from intralayer import tensor_parallel as tp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,8 +31,8 @@ S, B, H, HEADS, VOCAB = 4, 2, 16, 4, 32
 # ------------------------------------------------------------------ (a) on real ranks
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_parallel_modules_match_their_dense_twins(nproc):
-    result = warm_ranks.run("tests.programs.tp_checks", nproc, env=ENV, timeout=90, show=False)
+def test_parallel_modules_match_their_dense_twins(pool, nproc):
+    result = pool("tests.programs.tp_checks", nproc, env=ENV, timeout=90)
     assert f"{tp_checks.MARKER} {nproc}" in result.output
     assert all("Traceback" not in text for text in result.stderr.values())
 
