@@ -86,14 +86,17 @@ def process_number_words(seen: list[str], group) -> str | None:
     if not seen:
         return None
     n, me = group_info(group)
-    process = dist.get_process_group_ranks(group)[me]
+    ranks = dist.get_process_group_ranks(group)
+    differ_here = [f"process {p} is rank {j}" for j, p in enumerate(ranks) if p != j]
     said = []
-    if "get_rank" in seen:
-        said.append(f"dist.get_rank() without its group is the process number ({process} here), not the rank in "
-                    f"the group ({me})")
-    if "get_world_size" in seen:
+    if "get_rank" in seen and differ_here:
+        said.append(f"dist.get_rank() without its group is the process number, not the rank in the group (in this "
+                    f"group of processes {ranks}, {', '.join(differ_here)})")
+    if "get_world_size" in seen and dist.get_world_size() != n:
         said.append(f"dist.get_world_size() without its group counts every process ({dist.get_world_size()}), "
                     f"not the group's {n} ranks")
+    if not said:
+        return None                        # right here by chance: this group's ranks are the process numbers
     return ("it used the global rank (the process number) where the group rank is needed: " + "; ".join(said)
             + ". Use dist.get_rank(group) and dist.get_world_size(group)")
 
