@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .parts import Implementation, Param, calls_of, differ, group_info, hunt, lab, traffic
+from .ch00 import in_group_words, in_group_words_hunt
 from .monitor import watch
 
 #: float64: the longest reduction is the 4h = 24-term row of fc2 (and the s·b = 6 rows of a
@@ -60,6 +61,7 @@ def _summary_shard(facts: dict) -> str:
 
 
 @lab("shard_mlp", ("shard_mlp",), params=SEED, forbid_modules=("intralayer.tensor_parallel",), why=WHY, summary=_summary_shard)
+@in_group_words
 def check_shard(ns, case, group) -> dict:
     n, me = group_info(group)
     fc1, fc2 = dense_mlp(case["seed"])
@@ -109,6 +111,7 @@ def _summary_mlp(facts: dict) -> str:
 
 @lab("megatron_mlp", ("megatron_mlp",), params=SEED, forbid_modules=("intralayer.tensor_parallel",), why=WHY,
      summary=_summary_mlp)
+@in_group_words
 def check_mlp(ns, case, group) -> dict:
     n, me = group_info(group)
     fc1, fc2 = dense_mlp(case["seed"])
@@ -134,6 +137,13 @@ def check_mlp(ns, case, group) -> dict:
                 wrong += f"; it holds {n} times fc2's bias: add the bias once, after the all-reduce"
             elif torch.allclose(off, -fc2.bias.detach().expand_as(off), **TOL):
                 wrong += "; fc2's bias is missing"
+            else:
+                with torch.no_grad():
+                    tanh = fc2(F.gelu(fc1(x0), approximate="tanh"))
+                if torch.allclose(y.detach(), tanh, **TOL):
+                    wrong += ("; it is the MLP with the tanh approximation of GeLU (approximate='tanh'): this "
+                              "MLP's GeLU is the exact one, F.gelu(x) with its default approximate='none', as in "
+                              "the dense reference")
         problems.append(wrong)
     problems += _collectives(forward, elements, "the forward pass", "g's all-reduce of the partial outputs")
     if isinstance(y, torch.Tensor) and y.requires_grad and y.shape == yd.shape:
@@ -222,9 +232,11 @@ def greedy_token_floor_offset(hidden, weight, vocab, group):
     return _largest_across(best, local + start, group)
 
 
-hunt("padded_vocab_argmax", "test_greedy_token", {
+in_group_words_hunt(hunt("padded_vocab_argmax", "test_greedy_token", {
     "unmasked": Implementation(greedy_token_unmasked, True, "mirage-project/mirage#751"),
     "correct": Implementation(greedy_token, False),
     "floor_offset": Implementation(greedy_token_floor_offset, True),
 }, hint="the bug needs padding rows (a vocabulary that t does not divide) and a position whose real logits are "
-        "all negative; compare with the argmax of the unsplit, unpadded logits")
+        "all negative; compare every id with the argmax of the unsplit, unpadded logits — a test that only asks "
+        "for ids below the vocabulary size misses a slice placed at the wrong offset, whose ids are real but "
+        "wrong"))

@@ -37,8 +37,10 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .parts import Implementation, Param, calls_of, differ, group_info, hunt, lab
+from .ch00 import earlier_part, in_group_words, in_group_words_hunt
 from .monitor import COLLECTIVES, watch
 
 #: float64. The longest sums are over s = 12 keys (and s·b rows of a gradient) of terms up to
@@ -132,9 +134,9 @@ def kv_messages(sends, K, V, n: int, me: int) -> list[str]:
     want = {(kind, (me - j) % n) for j in range(n - 1) for kind in ("key", "value")}
     problems = []
     for kind, r in sorted(want - set(labels), key=lambda x: ((me - x[1]) % n, x[0])):
-        step = (me - r) % n + 1
+        step = (me - r) % n
         problems.append(f"it never passed on group rank {r}'s {kind} block (the block it holds at step {step}); "
-                        f"every block must reach all {n} ranks")
+                        f"every block must reach all {n} ranks" + ("" if problems else f": {ORDER}"))
     twice = sorted({lab for lab in labels if labels.count(lab) > 1})
     if twice:
         kind, r = twice[0]
@@ -146,9 +148,46 @@ def kv_messages(sends, K, V, n: int, me: int) -> list[str]:
                         "block's next stop is its own rank, which needs no copy (P − 1 moves)")
     distances = [(me - r) % n for _, r in labels]
     if not problems and distances != sorted(distances):
-        problems.append("it passed the blocks on out of ring order: at step j a rank passes on the block it "
-                        "received at step j − 1 (its own at step 1)")
+        problems.append(f"it passed the blocks on out of ring order: {ORDER}")
     return problems
+
+
+#: How the blocks go round, in the words of the task.
+ORDER = ("at step j (j = 0 … P−1) rank i holds the block of rank (i − j) mod P — its own at step 0, its left "
+         "neighbour's at step 1 — and at every step but the last it passes that block on to the right")
+
+#: The aten operations whose result a score matrix or its softmax is (a view or copy is not).
+_SCORE_OPS = {"bmm", "mm", "baddbmm", "addmm", "matmul", "_softmax", "_log_softmax", "exp", "logsumexp", "amax",
+              "max", "sub", "div", "mul", "masked_fill", "where", "add", "_safe_softmax"}
+
+
+class _ScoreWidths(TorchDispatchMode):
+    """The widest key axis of any score matrix (…, s/P, w) the learner's code computed: ring attention
+    works on one block of s/P keys at a time, so w > s/P means it held several blocks' keys at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.widest, self.op = 0, ""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in _SCORE_OPS:
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 2 and t.shape[-2] == SL_ \
+                        and t.shape[-1] > self.widest and t.shape[-1] >= 2 * SL_ and t.shape[-1] % SL_ == 0:
+                    self.widest, self.op = t.shape[-1], name
+        return out
+
+
+def _one_block_at_a_time(widths: _ScoreWidths, n: int) -> list[str]:
+    if not widths.widest:
+        return []
+    blocks = widths.widest // SL_
+    return [f"it computed scores (or their softmax) over {widths.widest} keys at once — {blocks} ranks' blocks, "
+            f"seen in torch's {widths.op} — where ring attention holds one block of s/P = {SL_} keys at a time and "
+            "merges each block's partial result (out, lse) into the running one with the log-sum-exp rule as it "
+            "arrives: gathering the blocks for one dense softmax needs the memory ring attention exists to save"]
 
 
 def _bytes_problem(sends, want: int, formula: str) -> list[str]:
@@ -193,13 +232,15 @@ def _summary_forward(facts: dict) -> str:
 
 @lab("ring_attention", ("ring_attention",), params=PARAMS, forbid_ops=COLLECTIVES,
      forbid_modules=("intralayer.context_parallel",), why=WHY, summary=_summary_forward)
+@in_group_words
 def check_forward(ns, case, group) -> dict:
     n, me = group_info(group)
     causal = case["causal"]
     Q, K, V = inputs(case, n)
     mine = _mine(n, me)
     q, k, v = (t[:, :, mine].clone() for t in (Q, K, V))
-    with watch() as calls:
+    widths = _ScoreWidths()
+    with watch() as calls, widths:
         got = ns.ring_attention(q, k, v, group, causal)
     out_d, lse_d = dense(Q, K, V, causal)
     problems = []
@@ -219,6 +260,7 @@ def check_forward(ns, case, group) -> dict:
     problems += _bytes_problem(sends, 2 * (n - 1) * block, f"a ring passes every key and value block on P − 1 "
                                f"times (P = {n}): (P−1)·2·b·a·(s/P)·d·e")
     problems += kv_messages(sends, K, V, n, me)
+    problems += _one_block_at_a_time(widths, n)
     return {"problems": problems, "facts": {"n": n, "causal": causal, "sent": sum(s.bytes for s in sends)}}
 
 
@@ -233,8 +275,10 @@ def _summary_backward(facts: dict) -> str:
 
 @lab("ring_attention_backward", ("RingAttention",), params=PARAMS, forbid_ops=COLLECTIVES,
      forbid_modules=("intralayer.context_parallel",), why=WHY, summary=_summary_backward)
+@in_group_words
 def check_backward(ns, case, group) -> dict:
     n, me = group_info(group)
+    earlier = earlier_part(ns, "ring_attention", 1, check_forward, case, group)
     causal = case["causal"]
     Q, K, V = inputs(case, n)
     U = torch.randn(Q.shape, generator=torch.Generator().manual_seed(5 + case["seed"]), dtype=torch.float64)
@@ -276,6 +320,8 @@ def check_backward(ns, case, group) -> dict:
     elif isinstance(out, torch.Tensor) and not out.requires_grad:
         problems.append("the output does not require a gradient: return a tensor computed in forward, as "
                         "torch.autograd.Function.apply does")
+    if earlier:                              # what the rest found would only repeat it
+        return {"problems": earlier, "facts": {}}
     return {"problems": problems, "facts": {"n": n, "causal": causal,
                                             "forward": sum(s.bytes for s in calls_of(forward, "send")),
                                             "backward": sum(s.bytes for s in calls_of(backward, "send"))}}
@@ -417,10 +463,10 @@ def ring_attention_block_d(q, k, v, group):
     return RingAttentionBlockD.apply(q, k, v, group)
 
 
-hunt("ring_backward_blocks", "test_ring_attention", {
+in_group_words_hunt(hunt("ring_backward_blocks", "test_ring_attention", {
     "stale_kv": Implementation(ring_attention_stale_kv, True, "huggingface/diffusers#14265"),
     "correct": Implementation(ring_attention_correct, False),
     "block_d": Implementation(ring_attention_block_d, True, "tenstorrent/tt-metal#53205"),
 }, hint="the forward pass is right in every version, and one of them gets v's gradient right: compare the "
         "gradients of q, k and v — all three — with those of dense attention over the whole sequence, on every "
-        "rank, with keys and values that differ from rank to rank")
+        "rank, with keys and values that differ from rank to rank"))

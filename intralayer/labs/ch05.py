@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .parts import Implementation, Param, differ, group_info, hunt, lab, traffic
+from .ch00 import in_group_words, in_group_words_hunt
 from .monitor import watch
 
 E_, H_, F_ = 5, 4, 6                   # experts, hidden size, expert width
@@ -144,6 +145,7 @@ def _summary_dispatch(facts: dict) -> str:
 
 @lab("moe_dispatch", ("dispatch",), params=PARAMS, forbid_modules=("intralayer.expert_parallel", "intralayer.moe"),
      why=WHY, summary=_summary_dispatch)
+@in_group_words
 def check_dispatch(ns, case, group) -> dict:
     n, me = group_info(group)
     x0, expert_index, cap = routing(case, me)
@@ -262,6 +264,7 @@ def _summary_combine(facts: dict) -> str:
 
 @lab("moe_combine", ("combine",), params=PARAMS, forbid_modules=("intralayer.expert_parallel", "intralayer.moe"),
      why=WHY, summary=_summary_combine)
+@in_group_words
 def check_combine(ns, case, group) -> dict:
     n, me = group_info(group)
     k = case["k"]
@@ -361,10 +364,10 @@ def balance_loss_local_counts(logits, expert_index, kept, group):
     return E * (f * probs.sum(dim=0) / tokens).sum()
 
 
-hunt("balance_loss_capacity", "test_balance_loss", {
+in_group_words_hunt(hunt("balance_loss_capacity", "test_balance_loss", {
     "kept_only": Implementation(balance_loss_kept_only, True, "NVIDIA/Megatron-LM#1513"),
     "correct": Implementation(balance_loss, False),
     "local_counts": Implementation(balance_loss_local_counts, True),
 }, hint="the bug needs assignments that capacity drops (kept must have a False) and a router whose choices are "
         "uneven; compare the sum of the ranks' shares with E·Σ f_i·π_i computed on one process from every "
-        "rank's logits and choices")
+        "rank's logits and choices"))

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from .parts import Implementation, Param, calls_of, differ, group_info, hunt, lab, traffic
+from .ch00 import earlier_part, in_group_words, in_group_words_hunt
 from .monitor import watch
 
 H_, F_ = 4, 5                          # hidden size, expert width; E = 2P experts, two per rank
@@ -58,23 +59,29 @@ FORBID = ("intralayer.expert_parallel", "intralayer.moe", "intralayer.comm")
 
 
 def tokens_of(me: int, n: int, empty: bool) -> int:
-    """Group rank ``me``'s number of tokens: 4, 5, 6, 7 — or none for the last rank of an ``empty`` case."""
-    return 0 if empty and me == n - 1 else 4 + me
+    """Group rank ``me``'s number of tokens: 11, 12, 13, 14 — or none for the last rank of an ``empty`` case.
+    Enough that a rank has over 20 assignments (k = 2): torch's sort without stable=True then reorders the
+    tokens of one expert, and a learner's unstable sort shows."""
+    return 0 if empty and me == n - 1 else 11 + me
 
 
 def routing(case: dict, n: int, q: int, integer: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group rank q's tokens (T, h), the router's choices (T, k) and combine weights (T, k); every rank can
-    make every rank's. Expert 1 is never chosen (an expert with no rows); group rank 0 never picks
-    the last expert; the last expert is the most popular (uneven splits)."""
+    make every rank's. The last expert is the most popular (uneven splits). On 3 or more ranks, expert 1
+    is never chosen (an expert with no rows) and group rank 0 never picks the last expert; on 2 ranks
+    every expert gets rows from every source, so that rows grouped by expert instead of by source
+    (or in any other wrong order) differ on every rank."""
     E = 2 * n
     g = torch.Generator().manual_seed(1000 * case["seed"] + 10 * n + q)
     T, k = tokens_of(q, n, case["empty"]), case["k"]
     x = (torch.randint(-6, 7, (T, H_), generator=g).to(torch.float64) if integer
          else torch.randn(T, H_, generator=g, dtype=torch.float64))
     popularity = torch.ones(E, dtype=torch.float64)
-    popularity[1], popularity[-1] = 0.0, 3.0
-    if q == 0:
-        popularity[-1] = 0.0
+    popularity[-1] = 3.0
+    if n >= 3:
+        popularity[1] = 0.0
+        if q == 0:
+            popularity[-1] = 0.0
     expert_index = torch.multinomial(popularity.expand(T, E), k, replacement=False, generator=g) if T else \
         torch.zeros(0, k, dtype=torch.int64)
     weights = torch.softmax(torch.randn(T, k, generator=g, dtype=torch.float64), dim=-1)
@@ -148,6 +155,7 @@ def _summary_dispatch(facts: dict) -> str:
 
 
 @lab("ep_dispatch", ("ep_dispatch",), params=PARAMS, forbid_modules=FORBID, why=WHY, summary=_summary_dispatch)
+@in_group_words
 def check_dispatch(ns, case, group) -> dict:
     n, me = group_info(group)
     E = 2 * n
@@ -278,8 +286,10 @@ def _summary_moe(facts: dict) -> str:
 
 
 @lab("ep_moe", ("ep_moe",), params=PARAMS, forbid_modules=FORBID, why=WHY, summary=_summary_moe)
+@in_group_words
 def check_moe(ns, case, group) -> dict:
     n, me = group_info(group)
+    earlier = earlier_part(ns, "ep_dispatch", 1, check_dispatch, case, group)
     E = 2 * n
     data = [routing(case, n, q, integer=False) for q in range(n)]
     dense = dense_experts(case["seed"], E)
@@ -326,6 +336,8 @@ def check_moe(ns, case, group) -> dict:
                 "the backward pass")
             problems += _gradients(x, weights, local, leaves[me], ref, mine, n)
     e = x0.element_size()
+    if earlier:                              # what the rest found would only repeat it
+        return {"problems": earlier, "facts": {}}
     return {"problems": problems, "facts": {"n": n, "E": E, "dispatch": A * H_ * e, "combine": R * H_ * e}}
 
 
@@ -371,11 +383,11 @@ def expert_grads_router_unreduced(x, router, w, group):
     return router_grad, w_grad / dist.get_world_size(group)      # the router: this rank's tokens only
 
 
-hunt("expert_grad_scale", "test_expert_grads", {
+in_group_words_hunt(hunt("expert_grad_scale", "test_expert_grads", {
     "unscaled": Implementation(expert_grads_unscaled, True,
                                "databricks/megablocks#20, deepspeedai/DeepSpeed#5259 and NVIDIA/Megatron-LM#5956"),
     "correct": Implementation(expert_grads, False),
     "router_unreduced": Implementation(expert_grads_router_unreduced, True, "NVIDIA/Megatron-LM#599"),
 }, hint="give every rank tokens of its own, and compare both returned gradients — the router's and this rank's "
         "experts' — with those of the single-device layer whose loss is the mean of ½‖y‖² over all the group's "
-        "tokens")
+        "tokens"))

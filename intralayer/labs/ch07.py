@@ -45,6 +45,7 @@ from torch.distributed.distributed_c10d import ProcessGroup
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .parts import Implementation, Param, calls_of, differ, group_info, hunt, lab
+from .ch00 import earlier_part, in_group_words, in_group_words_hunt
 from .monitor import COLLECTIVES, watch
 
 #: float64: the longest reduction is a k = 5 or o = 4 term dot product, or a t ≤ 4 term sum
@@ -241,6 +242,7 @@ def _summary_forward(facts: dict) -> str:
 
 @lab("ring_allgather_matmul", ("ring_allgather_matmul",), params=PARAMS, forbid_ops=COLLECTIVES,
      forbid_modules=FORBIDDEN, why=WHY, summary=_summary_forward)
+@in_group_words
 def check_forward(ns, case, group) -> dict:
     t, me = group_info(group)
     d = layer(case, t)
@@ -298,7 +300,9 @@ def _summary_autograd(facts: dict) -> str:
 
 @lab("allgather_matmul_backward", ("AllGatherMatmul",), params=PARAMS, forbid_ops=COLLECTIVES,
      forbid_modules=FORBIDDEN, why=WHY, summary=_summary_autograd)
+@in_group_words
 def check_autograd(ns, case, group) -> dict:
+    earlier = earlier_part(ns, "ring_allgather_matmul", 1, check_forward, case, group)
     t, me = group_info(group)
     d = layer(case, t)
     n, x = d["n"], d["x"]
@@ -317,7 +321,7 @@ def check_autograd(ns, case, group) -> dict:
     problems += product_order(seen.products, shards, x, "forward pass", [(me - i) % t for i in range(t)])
     if not (isinstance(out, torch.Tensor) and out.requires_grad and out.shape == (t * n, O_)):
         problems.append("the output does not carry a gradient: return the tensor the ring computed from forward")
-        return {"problems": problems, "facts": {}}
+        return {"problems": earlier or problems, "facts": {}}
     with watch() as backward, schedule(w, storages) as seen:
         (out * dy).sum().backward()                    # upstream gradient dy; out.backward(dy) would import sympy
     products = seen.products
@@ -346,7 +350,7 @@ def check_autograd(ns, case, group) -> dict:
             break
     blocks = list(dy.split(n))                                                       # t × (n, o)
     problems += product_order(products, blocks, dy, "backward pass", None)
-    return {"problems": problems,
+    return {"problems": earlier or problems,
             "facts": {"n": t, "sends": len(sends), "sent": sum(s.bytes for s in sends),
                       "S": dx.numel() * dx.element_size(), "products": len(products),
                       "overlapped": sum(1 for p in products if p["in_flight"] > 0)}}
@@ -416,10 +420,10 @@ def allgather_matmul_mirrored(x_shard, weight, group):
     return out
 
 
-hunt("ring_output_rows", "test_allgather_matmul", {
+in_group_words_hunt(hunt("ring_output_rows", "test_allgather_matmul", {
     "step_rows": Implementation(allgather_matmul_step_rows, True),
     "correct": Implementation(allgather_matmul, False),
     "mirrored": Implementation(allgather_matmul_mirrored, True),
 }, hint="compare the whole (t·n, o) output with the unfused all-gather and matmul on every rank, not on rank 0 "
         "only, and give every rank a different shard: the misplaced blocks show on the ranks other than 0, and "
-        "a shard placed as if it came from the other side only on 3 or more ranks")
+        "a shard placed as if it came from the other side only on 3 or more ranks"))

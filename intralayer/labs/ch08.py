@@ -48,6 +48,7 @@ from .. import planner
 from .check import GROUP_TIMEOUT_S
 from .parts import Implementation, Param, calls_of, differ, group_info, hunt, lab, traffic
 from .runner import layout
+from .ch00 import earlier_part, in_group_words, in_group_words_hunt
 from .monitor import watch
 
 #: float64: the longest reduction is fc2's 4h = 24-term row, or a weight gradient's sum over
@@ -111,6 +112,7 @@ def _as_lists(value, what: str) -> tuple[list[list[int]] | None, str | None]:
 
 
 @lab("mesh_ranks", ("mesh_ranks",), params=PARAMS, summary=_summary_place)
+@in_group_words
 def check_place(ns, case, group) -> dict:
     n, me = group_info(group)
     ranks = dist.get_process_group_ranks(group)
@@ -181,7 +183,9 @@ def _summary_step(facts: dict) -> str:
 
 @lab("tp_dp_step", ("tp_dp_step",), params=PARAMS, forbid_modules=("intralayer.tensor_parallel",), why=WHY,
      summary=_summary_step)
+@in_group_words
 def check_step(ns, case, group) -> dict:
+    earlier = earlier_part(ns, "mesh_ranks", 1, check_place, case, group)
     n, _ = group_info(group)
     tp = case["tp"]
     dp = n // tp
@@ -219,7 +223,7 @@ def check_step(ns, case, group) -> dict:
         problems.append(wrong)
     if set(p) != {"w1", "b1", "w2", "b2"}:
         problems.append(f"p has the keys {sorted(p)}; it should hold 'w1', 'b1', 'w2', 'b2'")
-        return {"problems": problems, "facts": {}}
+        return {"problems": earlier or problems, "facts": {}}
     names = {"w1": "fc1's weight (w1)", "b1": "fc1's bias (b1)", "w2": "fc2's weight (w2)", "b2": "fc2's bias (b2)"}
     for key in ("w1", "b1", "w2", "b2"):
         wrong = differ(p[key], want[key], names[key])
@@ -248,7 +252,7 @@ def check_step(ns, case, group) -> dict:
     itemsize = x.element_size()
     tp_calls = [c for c in calls if c.group == tuple(dist.get_process_group_ranks(tp_group))]
     dp_calls = [c for c in calls if c.group == tuple(dist.get_process_group_ranks(dp_group))]
-    return {"problems": problems,
+    return {"problems": earlier or problems,
             "facts": {"n": n, "tp": tp, "dp": dp,
                       "tp_traffic": _bytes(tp_calls, itemsize), "dp_traffic": _bytes(dp_calls, itemsize)}}
 
@@ -332,11 +336,11 @@ def mfu_counting_all_experts(model, seq_len, tokens_per_second, peak_flops):
     return 6 * (weights + scores) * tokens_per_second / peak_flops
 
 
-hunt("mfu_counts", "test_mfu", {
+in_group_words_hunt(hunt("mfu_counts", "test_mfu", {
     "embedding": Implementation(mfu_counting_embedding, True, "pytorch/torchtitan#274, fixed in #280"),
     "correct": Implementation(mfu, False),
     "all_experts": Implementation(mfu_counting_all_experts, True,
                                   "pytorch/torchtitan#4300 and AI-Hypercomputer/maxtext#678"),
 }, hint="compare with chapter 08's count of model FLOPs (planner.flops_per_token(model, seq_len)['model']) on a "
         "dense model whose vocabulary is large against its layers, and on an MoE model with top_k smaller than "
-        "the number of experts")
+        "the number of experts"))

@@ -154,6 +154,49 @@ def ar_gather_partials(x, group):
     return torch.cat(chunks)
 
 
+def ar_global_rank(x, group):
+    """The all-gather phase counts with the process number (dist.get_rank()) instead of the group rank."""
+    n, me = dist.get_world_size(group), dist.get_rank()
+    chunks = [c.clone() for c in x.chunk(n)]
+    for step in range(1, n):
+        out_c, in_c = (me - step) % n, (me - step - 1) % n
+        incoming = torch.empty_like(chunks[in_c])
+        _exchange(chunks[out_c], incoming, group, (me + 1) % n, (me - 1) % n)
+        chunks[in_c] += incoming
+    for step in range(n - 1):
+        out_c, in_c = (me - step) % n, (me - step - 1) % n
+        _exchange(chunks[out_c], chunks[in_c], group, (me + 1) % n, (me - 1) % n)
+    return torch.cat(chunks)
+
+
+def rs_peer_as_dst(x, group):
+    """Names the neighbours with dst=/src= (process numbers) though they are group ranks."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    chunks = [c.clone() for c in x.chunk(n)]
+    for step in range(1, n):
+        out_c, in_c = (me - step) % n, (me - step - 1) % n
+        incoming = torch.empty_like(chunks[in_c])
+        send = dist.isend(chunks[out_c], dst=(me + 1) % n, group=group)
+        dist.recv(incoming, src=(me - 1) % n, group=group)
+        send.wait()
+        chunks[in_c] += incoming
+    return chunks[me]
+
+
+ring_reduce_scatter = rs_off_by_one          # the learner's part 1, wrong; ar_reusing_part1 calls it
+
+
+def ar_reusing_part1(x, group):
+    """Right all-gather phase on top of a wrong part 1 (the learner's own ring_reduce_scatter)."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    chunks = [torch.empty_like(c) for c in x.chunk(n)]
+    chunks[me] = ring_reduce_scatter(x, group)
+    for step in range(n - 1):
+        out_c, in_c = (me - step) % n, (me - step - 1) % n
+        _exchange(chunks[out_c], chunks[in_c], group, (me + 1) % n, (me - 1) % n)
+    return torch.cat(chunks)
+
+
 # ------------------------------------------------------------------ bug hunt: an all-gather's backward
 
 def test_always_passes(all_gather, group):
@@ -172,6 +215,16 @@ def test_forward_only(all_gather, group):
     x = torch.full((2, 3), float(me))
     got = all_gather(x, group)
     assert torch.equal(got, torch.cat([torch.full((2, 3), float(q)) for q in range(n)]))
+
+
+def test_process_number(all_gather, group):
+    """The right test, but it picks this rank's rows with the process number (dist.get_rank())."""
+    n, me = dist.get_world_size(group), dist.get_rank()
+    ws = [torch.randn(2 * n, 3, generator=torch.Generator().manual_seed(q)) for q in range(n)]
+    x = torch.ones(2, 3, requires_grad=True)
+    (ws[dist.get_rank(group)] * all_gather(x, group)).sum().backward()
+    want = sum(w[2 * (me % n):2 * (me % n) + 2] for w in ws)
+    assert torch.allclose(x.grad, want)
 
 
 def test_same_loss_one_gradient(all_gather, group):
@@ -199,8 +252,11 @@ WRONG = [
     ("ring_reduce_scatter_check", rs_all_reduce, ["all-reduce is not allowed here", "point-to-point"]),
     ("ring_reduce_scatter_check", rs_library, ["intralayer.collectives.ring_all_reduce is not allowed here"]),
     ("ring_reduce_scatter_check", rs_off_by_one, ["it should hold chunk"]),
-    ("ring_reduce_scatter_check", rs_global_rank, ["On 3 ranks (processes [1, 2, 3])", "raised RuntimeError", "of _exchange"]),
+    ("ring_reduce_scatter_check", rs_global_rank, ["it used the global rank (the process number)", "of _exchange", "Pair is not connected"]),
     ("ring_reduce_scatter_check", rs_default_group, ["default process group", "pass group=group"]),
+    ("ring_reduce_scatter_check", rs_peer_as_dst, ["torch read peer", "as a process number", "group_dst="]),
+    ("ring_all_reduce_check", ar_global_rank, ["it used the global rank (the process number)", "dist.get_rank(group)"]),
+    ("ring_all_reduce_check", ar_reusing_part1, ["your ring_reduce_scatter from part 1 fails its check"]),
     ("ring_all_reduce_check", ar_concatenate, ["sent 0 messages", "the result is off by"]),
     ("ring_all_reduce_check", ar_whole_tensor_ring, ["each step passes one chunk", "2(n−1)/n·S"]),
     ("ring_all_reduce_check", ar_to_rank0, ["only to its right neighbour"]),
@@ -208,6 +264,7 @@ WRONG = [
     ("test_all_gather_check", test_always_passes, ["passes on the buggy", "does not catch the bug", "Hint: give each rank a loss of its own"]),
     ("test_all_gather_check", test_always_fails, ["fails on the correct", "nothing can pass me"]),
     ("test_all_gather_check", test_forward_only, ["passes on the buggy"]),
+    ("test_all_gather_check", test_process_number, ["fails on the correct", "it used the global rank (the process number)"]),
     ("test_all_gather_check", test_same_loss_one_gradient, ["fails on the correct"]),
     ("test_all_gather_check", test_own_loss_not_own_gradient, ["passes on the buggy", "averages", "cellarium"]),
 ]

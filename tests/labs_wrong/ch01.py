@@ -103,6 +103,45 @@ class GSumsTheGradientToo(torch.autograd.Function):
         return out, None
 
 
+class GAllGatherSum(torch.autograd.Function):
+    """g from an all-gather of every partial and a local sum: right values, n times the bytes."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return sum(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GStarAtRankZero(torch.autograd.Function):
+    """g by sends to 'rank 0', found with dist.get_rank() (the process number), and back."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        n = dist.get_world_size(group)
+        if dist.get_rank() == 0:
+            total = x.clone()
+            for q in range(1, n):
+                part = torch.empty_like(x)
+                dist.recv(part, group=group, group_src=q)
+                total += part
+            for q in range(1, n):
+                dist.send(total, group=group, group_dst=q)
+            return total
+        dist.send(x.contiguous(), group=group, group_dst=0)
+        total = torch.empty_like(x)
+        dist.recv(total, group=group, group_src=0)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 # ------------------------------------------------------------------ bug hunt: a row-parallel bias
 
 def _layer(t):
@@ -152,7 +191,25 @@ def test_bias_grad_summed(row_linear, group):
     assert torch.allclose(bias.grad, torch.full((3,), 5.0 * t, dtype=torch.float64))
 
 
+def test_process_number(row_linear, group):
+    """A full test, but it cuts this rank's columns with the process number (dist.get_rank())."""
+    t, i = dist.get_world_size(group), dist.get_rank()
+    dense, X = _layer(t)
+    cols = slice(4 * i, 4 * (i + 1))
+    w = dense.weight.detach()[:, cols].clone().requires_grad_()
+    bias = dense.bias.detach().clone().requires_grad_()
+    y = row_linear(X.detach()[:, cols], w, bias, group)
+    y.sum().backward()
+    dense(X).sum().backward()
+    assert torch.allclose(y, dense(X).detach())
+    assert torch.allclose(w.grad, dense.weight.grad[:, cols])
+    assert torch.allclose(bias.grad, dense.bias.grad)
+
+
 WRONG = [
+    ("reduce_from_group_check", GAllGatherSum, ["g's forward pass sent 1 all-gather", "one all-reduce"]),
+    ("reduce_from_group_check", GStarAtRankZero, ["it used the global rank (the process number)", "dist.get_rank(group)"]),
+    ("test_row_linear_check", test_process_number, ["fails on the correct", "it used the global rank (the process number)"]),
     ("copy_to_group_check", FIdentityBothWays, ["x.grad is off", "this rank's own upstream gradient", "sent nothing"]),
     ("copy_to_group_check", FSwappedWithG, ["f's output is off", "f's forward pass sent 1 all-reduce"]),
     ("copy_to_group_check", FAverages, ["the average of the upstream gradients"]),

@@ -62,6 +62,12 @@ def shard_library_global(fc1, fc2, group):
 
 # ------------------------------------------------------------------ megatron_mlp
 
+def mlp_tanh_gelu(x, p, group):
+    """Right f, g and shards, but the tanh approximation of GeLU."""
+    x = comm.copy_to_group(x, group)
+    h = F.gelu(x @ p["w1"].T + p["b1"], approximate="tanh")             # (s, b, 4h/t)
+    return comm.reduce_from_group(h @ p["w2"].T, group) + p["b2"]
+
 def mlp_bias_before_sum(x, p, group):
     x = comm.copy_to_group(x, group)
     hidden = F.gelu(x @ p["w1"].T + p["b1"])
@@ -131,6 +137,18 @@ def test_ids_in_range(greedy_token, group):
     assert int(ids.max()) < vocab
 
 
+def test_process_number(greedy_token, group):
+    """The right test, but it cuts this rank's rows of the padded head with the process number."""
+    t, i = dist.get_world_size(group), dist.get_rank()
+    vocab, rows = 2 * t + 1, -(-(2 * t + 1) // t)
+    g = torch.Generator().manual_seed(0)
+    weight = torch.rand(vocab, 4, generator=g, dtype=torch.float64) + 0.1
+    hidden = -torch.rand(3, 4, generator=g, dtype=torch.float64) - 0.1
+    padded = torch.cat([weight, torch.zeros(t * rows - vocab, 4, dtype=weight.dtype)])
+    ids = greedy_token(hidden, padded[i * rows:(i + 1) * rows], vocab, group)
+    assert torch.equal(ids, (hidden @ weight.T).argmax(-1))
+
+
 def test_always_passes(greedy_token, group):
     t, i = dist.get_world_size(group), dist.get_rank(group)
     weight, hidden, mine = _pieces(t, i, 2 * t + 1)
@@ -141,7 +159,7 @@ WRONG = [
     ("shard_mlp_check", shard_fc1_by_inputs, ["w1 has shape", "output features"]),
     ("shard_mlp_check", shard_views, ["not a leaf"]),
     ("shard_mlp_check", shard_bias_split, ["b2 is off", "all of fc2.bias"]),
-    ("shard_mlp_check", shard_global_rank, ["group rank", "slice"]),
+    ("shard_mlp_check", shard_global_rank, ["group rank", "slice", "it used the global rank (the process number)"]),
     ("shard_mlp_check", shard_library, ["intralayer.tensor_parallel.ParallelMLP is not allowed here"]),
     ("shard_mlp_check", shard_library_global, ["uses ColumnParallelLinear", "the library's own Megatron MLP"]),
     ("megatron_mlp_check", mlp_bias_before_sum, ["times fc2's bias", "after the all-reduce"]),
@@ -152,6 +170,8 @@ WRONG = [
     ("megatron_mlp_check", mlp_library, ["intralayer.tensor_parallel.ParallelMLP is not allowed here"]),
     ("test_greedy_token_check", test_divisible_vocab, ["passes on the buggy", "padding rows"]),
     ("test_greedy_token_check", test_no_negative_row, ["passes on the buggy", "all negative"]),
-    ("test_greedy_token_check", test_ids_in_range, ["passes on the buggy", "rank·⌊v/t⌋"]),
+    ("test_greedy_token_check", test_ids_in_range, ["passes on the buggy", "rank·⌊v/t⌋", "ids below the vocabulary size"]),
+    ("test_greedy_token_check", test_process_number, ["fails on the correct", "it used the global rank (the process number)"]),
+    ("megatron_mlp_check", mlp_tanh_gelu, ["tanh approximation of GeLU", "approximate='none'"]),
     ("test_greedy_token_check", test_always_passes, ["passes on the buggy", "does not catch the bug"]),
 ]

@@ -23,6 +23,21 @@ def _scatter(y, group):
 
 # ------------------------------------------------------------------ GatherSequence
 
+class GatherProcessNumber(torch.autograd.Function):
+    """All-gather forward; backward sums the gradients, then keeps the rows of the process number mod t."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        t = dist.get_world_size(ctx.group)
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total.chunk(t)[dist.get_rank() % t].contiguous(), None
+
 class GatherKeepsOwn(torch.autograd.Function):
     """All-gather forward; backward keeps this rank's own rows of its own gradient (a split)."""
 
@@ -271,6 +286,20 @@ def _run(sp_norm_linear, group):
     return ln, W, X, U, rows, cols, x, ln_w, ln_b, weight, y
 
 
+def test_process_number(sp_norm_linear, group):
+    """The full test, but it cuts this rank's tokens and columns with the process number mod t."""
+    t, i = dist.get_world_size(group), dist.get_rank() % dist.get_world_size(group)
+    ln, W, X, U, rows, cols = _layer(t, i)
+    ((ln(X) @ W.T) * U).sum().backward()
+    x = X.detach()[rows].clone().requires_grad_()
+    ln_w, ln_b = (w.detach().clone().requires_grad_() for w in (ln.weight, ln.bias))
+    weight = W[cols].clone().requires_grad_()
+    y = sp_norm_linear(x, ln_w, ln_b, weight, group)
+    (y * U[:, :, cols]).sum().backward()
+    assert torch.allclose(y, (ln(X) @ W.T).detach()[:, :, cols], rtol=1e-12, atol=1e-12)
+    assert torch.allclose(ln_w.grad, ln.weight.grad, rtol=1e-12, atol=1e-12)
+
+
 def test_output_only(sp_norm_linear, group):
     ln, W, X, U, rows, cols, x, ln_w, ln_b, weight, y = _run(sp_norm_linear, group)
     assert torch.allclose(y, (ln(X) @ W.T).detach()[:, :, cols], rtol=1e-12, atol=1e-12)
@@ -306,7 +335,31 @@ def test_ln_grads_agree_across_ranks(sp_norm_linear, group):
     assert all(torch.allclose(e, ln_w.grad, rtol=1e-12, atol=1e-12) for e in every)
 
 
+class _ScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, group):
+        ctx.group = group
+        return _scatter(y, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.group), None
+
+
+GatherSequence = GatherKeepsOwn                # the learner's part 1, wrong; mlp_reusing_part1 uses it
+
+
+def mlp_reusing_part1(x, p, group):
+    """A right sp_mlp on top of a wrong GatherSequence of part 1 (its backward keeps its own rows)."""
+    z = F.layer_norm(x, x.shape[-1:], p["ln_w"], p["ln_b"])
+    hidden = F.gelu(GatherSequence.apply(z, group) @ p["w1"].T + p["b1"])
+    return x + _ScatterSequence.apply(hidden @ p["w2"].T, group) + p["b2"]
+
+
 WRONG = [
+    ("gather_sequence_check", GatherProcessNumber, ["x.grad is off", "it used the global rank (the process number)"]),
+    ("sp_mlp_check", mlp_reusing_part1, ["your GatherSequence from part 1 fails its check", "x.grad is off"]),
+    ("test_sp_norm_linear_check", test_process_number, ["fails on the correct", "it used the global rank (the process number)"]),
     ("gather_sequence_check", GatherKeepsOwn, ["x.grad is off", "own gradient of its rows only",
                                                "sums the", "sent nothing"]),
     ("gather_sequence_check", GatherAllReduceBackward, ["backward pass sent 1 all-reduce", "twice the bytes"]),

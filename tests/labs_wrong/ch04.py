@@ -157,6 +157,44 @@ def ring_library(q, k, v, group, causal):
     return cp.ring_attention(q, k, v, group, causal), None
 
 
+def ring_gather_then_dense(q, k, v, group, causal):
+    """Passes the blocks round the ring as it should, keeps them all, then one dense softmax: right values,
+    but every block held at once and no per-block merge."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    ks, vs = {me: k}, {me: v}
+    held = [k, v]
+    for step in range(1, P):
+        held = _step(held, group)
+        ks[(me - step) % P], vs[(me - step) % P] = held
+    K = torch.cat([ks[r] for r in range(P)], dim=2)                      # (b, a, s, d): every block
+    V = torch.cat([vs[r] for r in range(P)], dim=2)
+    z = q @ K.transpose(-2, -1) / math.sqrt(q.shape[-1])                # (b, a, s/P, s)
+    if causal:
+        sl = q.shape[2]
+        rows = me * sl + torch.arange(sl)[:, None]
+        z = z.masked_fill(torch.arange(P * sl)[None, :] > rows, float("-inf"))
+    return torch.softmax(z, -1) @ V, torch.logsumexp(z, -1)
+
+
+def ring_process_number(q, k, v, group, causal):
+    """The right ring, but it counts with the process number: its peers and block owners are wrong."""
+    P, me = dist.get_world_size(group), dist.get_rank()
+    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    held = [k, v]
+    for step in range(P):
+        z = _scores(q, held[0], (me - step) % P, me % P, causal)
+        if z is not None:
+            out, lse = _merge(out, lse, torch.softmax(z, -1) @ held[1], torch.logsumexp(z, -1))
+        if step < P - 1:
+            incoming = [torch.empty_like(t) for t in held]
+            ops = [dist.P2POp(dist.isend, t.contiguous(), group=group, group_peer=(me + 1) % P) for t in held]
+            ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=(me - 1) % P) for t in incoming]
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+            held = incoming
+    return out, lse
+
+
 # ------------------------------------------------------------------ RingAttention (backward)
 
 def _grads(q, k, v, out, lse, dout, group, causal, block_d=False, local_p=False, travel=True, kv_moves=None,
@@ -277,6 +315,36 @@ class BackwardLibrary(torch.autograd.Function):
 
 # ------------------------------------------------------------------ bug hunt
 
+ring_attention = ring_naive_merge             # the learner's part 1, wrong; BackwardReusingPart1 calls it
+
+
+class BackwardReusingPart1(torch.autograd.Function):
+    """A right backward on top of the learner's own (wrong) ring_attention of part 1."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal):
+        out, lse = ring_attention(q, k, v, group, causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal = group, causal
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return _grads(q, k, v, out, lse, dout, ctx.group, ctx.causal)
+
+
+def test_process_number(ring_attention, group):
+    """The full test, but it picks this rank's rows of the upstream gradient by the process number mod P."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    Qd, Kd, Vd, U, dense, mine, q, k, v = _setup(P, me)
+    out = ring_attention(q, k, v, group)
+    other = dist.get_rank() % P
+    (out * U[:, :, other * 3:(other + 1) * 3]).sum().backward()
+    for got, want in ((out, dense), (q.grad, Qd.grad), (k.grad, Kd.grad), (v.grad, Vd.grad)):
+        assert torch.allclose(got, want[:, :, mine], rtol=1e-10, atol=1e-10)
+
+
 def _setup(P, me, same_blocks=False):
     b, a, sl, d = 1, 2, 3, 4
     g = torch.Generator().manual_seed(0)
@@ -328,6 +396,10 @@ def test_against_own_block(ring_attention, group):
 
 
 WRONG = [
+    ("ring_attention_check", ring_gather_then_dense, ["over 6 keys at once", "2 ranks' blocks", "one block of s/P = 3 keys at a time"]),
+    ("ring_attention_check", ring_process_number, ["it used the global rank (the process number)"]),
+    ("ring_attention_backward_check", BackwardReusingPart1, ["your ring_attention from part 1 fails its check", "overflows"]),
+    ("test_ring_attention_check", test_process_number, ["fails on the correct", "it used the global rank (the process number)"]),
     ("ring_attention_check", ring_naive_merge, ["NaN or inf", "overflows", "holds a score of 1000"]),
     ("ring_attention_check", ring_naive_weights, ["out is off by up to nan", "out holds NaN or inf", "overflows"]),
     ("ring_attention_check", ring_own_block_only, ["own keys only", "never passed on", "it sent 0 bytes"]),

@@ -273,7 +273,42 @@ def test_shapes_only(expert_grads, group):
     assert router_grad.shape == R.shape and w_grad.shape == W[mine].shape
 
 
+def dispatch_unstable_sort(x, expert_index, experts, group):
+    """Sorts the assignments by expert without stable=True: one expert's tokens may come out of order."""
+    P, k = dist.get_world_size(group), expert_index.shape[1]
+    order = torch.argsort(expert_index.reshape(-1))
+    counts, per_expert = _counts(expert_index, experts, group)
+    received = _AllToAll.apply(x[order // k], counts.sum(1).tolist(), per_expert.sum(1).tolist(), group)
+    return received, per_expert
+
+
+def dispatch_expert_major(x, expert_index, experts, group):
+    """Regroups the received rows by local expert, then source: the wrong grouping."""
+    received, per_expert = _dispatch(x, expert_index, experts, group)
+    blocks = received.split(per_expert.flatten().tolist())            # (source, local expert) blocks
+    P, m = per_expert.shape
+    return torch.cat([blocks[s * m + e] for e in range(m) for s in range(P)]), per_expert
+
+
+ep_dispatch = dispatch_unstable_sort          # the learner's part 1, wrong; moe_reusing_part1 calls it
+
+
+def moe_reusing_part1(x, expert_index, weights, w1, w3, w2, group):
+    """A right layer on top of the learner's own (wrong) ep_dispatch of part 1."""
+    P, n, k = dist.get_world_size(group), w1.shape[0], expert_index.shape[1]
+    received, per_expert = ep_dispatch(x, expert_index, n * P, group)
+    blocks = received.split(per_expert.flatten().tolist())
+    out = torch.cat([(F.silu(rows @ w1[i % n].T) * (rows @ w3[i % n].T)) @ w2[i % n].T
+                     for i, rows in enumerate(blocks)])
+    back = _home(out, per_expert, expert_index, n, group)
+    order = torch.argsort(expert_index.reshape(-1), stable=True)
+    return torch.zeros_like(x).index_add(0, order // k, back * weights.reshape(-1)[order].unsqueeze(1))
+
+
 WRONG = [
+    ("ep_dispatch_check", dispatch_unstable_sort, ["received row", "it should hold rank"]),
+    ("ep_dispatch_check", dispatch_expert_major, ["received row", "by source rank, then local expert"]),
+    ("ep_moe_check", moe_reusing_part1, ["your ep_dispatch from part 1 fails its check", "received row"]),
     ("ep_dispatch_check", dispatch_token_order, ["received row", "it should hold rank",
                                                  "then local expert, then token"]),
     ("ep_dispatch_check", dispatch_all_gather, ["also sent", "all-gather", "with all-to-all"]),
