@@ -27,7 +27,6 @@ version that all-reduces with an average, 1/n of the right gradient
 from __future__ import annotations
 
 import functools
-import os
 import re
 import sys
 from contextlib import contextmanager
@@ -38,6 +37,7 @@ import torch.distributed as dist
 
 from .. import comm
 from .parts import Implementation, Param, calls_of, differ, group_info, hunt, lab
+from . import runner
 from .monitor import COLLECTIVES, watch
 
 RING_WHY = ("this lab builds the collective from point-to-point sends and receives "
@@ -55,9 +55,8 @@ RING_PARAMS = {"chunk": Param(4, minimum=1), "dtype": Param("float32", tuple(DTY
 # wraps a rank-side check so that such a failure says what the learner did.
 
 def _learner_frame(depth: int = 2) -> bool:
-    """Whether the caller's caller is the learner's code (a module file ``learner<N>.py``)."""
-    name = os.path.basename(sys._getframe(depth).f_code.co_filename)
-    return name.startswith("learner") and name.endswith(".py")
+    """Whether the caller's caller is the learner's code (a file of the job's learner code)."""
+    return sys._getframe(depth).f_code.co_filename in runner.LEARNER_FILES
 
 
 @contextmanager

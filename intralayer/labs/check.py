@@ -313,7 +313,7 @@ def _errors(package: transport.Package, outcomes: list[dict]) -> tuple[list[str]
     pairs, unwritten = [], None
     for o in roots:
         e = o["error"]
-        said = f"raised {e['type']}" + (f": {_explain(e['message'], o['group'])}" if e["message"] else "") + _where(package, e)
+        said = f"raised {e['type']}" + (f": {e['message']}" if e["message"] else "") + _where(package, e)
         if e["type"] == "NotImplementedError" and unwritten is None:
             unwritten = f"{_who(o['group'], o['group_rank'])} {said}"
         pairs.append((_who(o["group"], o["group_rank"]), said))
@@ -395,15 +395,3 @@ def show(name: str) -> None:
     visit(impl.function)
     print("\n\n".join(p.strip() for p in pieces))
 
-
-def _explain(message: str, group: list[int]) -> str:
-    """gloo's and torch's words for a peer outside the group, said as the mistake they come from."""
-    m = re.search(r"[Gg]lobal rank (\d+) is not part of group|Pair is not connected|Invalid (?:group|destination|"
-                  r"source) rank", message)
-    if not m:
-        return message
-    who = f"process {m[1]}" if m[1] else "a process that is not in it"
-    return (f"it named {who} as a peer of the group it was given, which holds processes {group} — inside a group, "
-            "name peers by group rank (dist.get_rank(group); group_peer=, group_dst=, group_src=), or turn a "
-            "group rank into a process number with dist.get_global_rank(group, r) for peer=, dst=, src=; "
-            "dist.get_rank() without the group is the process number, not the group rank")

@@ -136,7 +136,8 @@ def read_globals(fn: types.FunctionType) -> list[tuple[str, object]]:
 
 
 def pack(objects: dict[str, object], forbidden=None) -> Package:
-    """The package of ``objects`` (``{name the check uses: object}``) and what their code uses.
+    """The package of ``objects`` (``{name the check uses: object}``) and of the learner's functions
+    and classes their code uses, each under its own name.
 
     ``forbidden(name, value)`` may return a sentence saying why a global cannot be used (the
     lab's answer from the library, say); it is raised as :class:`SourceError`.
@@ -144,11 +145,13 @@ def pack(objects: dict[str, object], forbidden=None) -> Package:
     functions: list[types.FunctionType] = []
     seen: set[int] = set()
     own = {getattr(obj, "__module__", None) for obj in objects.values()}     # the learner's module(s)
+    uses: dict[str, object] = {}                     # every function and class of the learner's, by name
 
     def visit(obj, shown: str) -> None:
         if id(obj) in seen:
             return
         seen.add(id(obj))
+        uses.setdefault(obj.__name__, obj)
         if isinstance(obj, types.FunctionType) and obj.__name__ == "<lambda>":
             raise SourceError(f"{shown} is a lambda, which cannot be sent to the ranks: write it as a def")
         for fn in functions_of(obj):
@@ -157,6 +160,7 @@ def pack(objects: dict[str, object], forbidden=None) -> Package:
                 if forbidden is not None and (why := forbidden(name, value)):
                     raise SourceError(f"{shown} uses {name}: {why}")
                 if isinstance(value, (types.FunctionType, type)) and (_by_value(value) or value.__module__ in own):
+                    uses.setdefault(name, value)                 # under the name the code uses (an alias)
                     visit(value, value.__qualname__)
                 elif not _travels(name, value):
                     raise SourceError(
@@ -173,7 +177,8 @@ def pack(objects: dict[str, object], forbidden=None) -> Package:
         if forbidden is not None and (why := forbidden(shown, obj)):
             raise SourceError(f"{getattr(obj, '__name__', shown)} comes from {getattr(obj, '__module__', '?')}: {why}")
         visit(obj, obj.__qualname__)
-    return Package(cloudpickle.dumps(objects), functions)
+    # The rank sees the helpers too, by name (a later part's check looks for the earlier part's function).
+    return Package(cloudpickle.dumps({**uses, **objects}), functions)
 
 
 def _blank(fn: types.FunctionType) -> bool:
