@@ -275,7 +275,7 @@ def unwritten(x, group):
 def test_helpers_constants_and_aliases_travel_by_value():
     package = transport.pack({"ring_all_reduce": uses_helper})
     assert cloudpickle.loads(package.payload)["ring_all_reduce"](2, None) == 6
-    assert {fn.__name__ for fn in package.functions} == {"uses_helper", "helper"}     # helper: of the same module
+    assert {span[-1] for span in package.spans} == {"uses_helper", "helper"}     # helper: of the same module
     line = uses_helper.__code__.co_firstlineno + 1
     assert package.where(__file__, line) == "line 2 of uses_helper"
     assert package.line(__file__, line) == "return helper(x)"
@@ -316,7 +316,7 @@ def test_a_notebook_class_travels_and_its_blank_method_is_found():
     exec(compile(cell, name, "exec"), namespace)  # noqa: S102
     package = transport.pack({"CopyToGroup": namespace["Twice"]})
     assert cloudpickle.loads(package.payload)["CopyToGroup"].forward(None, 3, None) == 6
-    assert transport.unwritten(package) == ["Twice.backward"]
+    assert transport.unwritten({"CopyToGroup": namespace["Twice"]}) == ["Twice.backward"]
     assert package.where(name, 6) == "line 2 of Twice.forward"
 
 

@@ -34,28 +34,30 @@ class SourceError(AssertionError):
 
 @dataclass
 class Package:
-    """The pickled objects, and the learner's functions, to name the lines of a traceback."""
+    """The pickled objects, and where the learner's functions are, to name the lines of a traceback.
+
+    Plain data only (no function objects), so that a process that runs none of the learner's code
+    can hold it: the headless checker (:mod:`intralayer.labs.__main__`)."""
 
     payload: bytes
-    functions: list[types.FunctionType] = field(default_factory=list)
+    spans: list[tuple[str, int, int, int, str]] = field(default_factory=list)   # file, first, last, def, name
+    lines: dict[str, list[str]] = field(default_factory=dict)                   # each file's source lines
 
     @property
     def files(self) -> list[str]:
-        return sorted({fn.__code__.co_filename for fn in self.functions})
+        return sorted({span[0] for span in self.spans})
 
     def where(self, file: str, line: int) -> str | None:
         """'line 3 of ring_all_reduce' (1 = its def line) for a frame in the learner's code, else None."""
-        best = None
-        for fn in self.functions:
-            code = fn.__code__
-            if code.co_filename == file and code.co_firstlineno <= line <= _last_line(code):
-                if best is None or code.co_firstlineno > best.__code__.co_firstlineno:
-                    best = fn
-        return None if best is None else f"line {line - _def_line(best) + 1} of {best.__qualname__}"
+        inside = [s for s in self.spans if s[0] == file and s[1] <= line <= s[2]]
+        if not inside:
+            return None
+        _, _, _, start, name = max(inside, key=lambda s: s[1])
+        return f"line {line - start + 1} of {name}"
 
-    @staticmethod
-    def line(file: str, line: int, width: int = 90) -> str:
-        text = linecache.getline(file, line).strip()
+    def line(self, file: str, line: int, width: int = 90) -> str:
+        lines = self.lines.get(file, [])
+        text = lines[line - 1].strip() if 0 < line <= len(lines) else ""
         return text if len(text) <= width else text[:width - 1] + "…"
 
 
@@ -178,7 +180,10 @@ def pack(objects: dict[str, object], forbidden=None) -> Package:
             raise SourceError(f"{getattr(obj, '__name__', shown)} comes from {getattr(obj, '__module__', '?')}: {why}")
         visit(obj, obj.__qualname__)
     # The rank sees the helpers too, by name (a later part's check looks for the earlier part's function).
-    return Package(cloudpickle.dumps({**uses, **objects}), functions)
+    spans = [(fn.__code__.co_filename, fn.__code__.co_firstlineno, _last_line(fn.__code__), _def_line(fn),
+              fn.__qualname__) for fn in functions]
+    lines = {file: linecache.getlines(file) for file in {span[0] for span in spans}}
+    return Package(cloudpickle.dumps({**uses, **objects}), spans, lines)
 
 
 def _blank(fn: types.FunctionType) -> bool:
@@ -189,6 +194,23 @@ def _blank(fn: types.FunctionType) -> bool:
         and ins[1].opname == "RAISE_VARARGS"
 
 
-def unwritten(package: Package) -> list[str]:
-    """Qualified names of the learner's functions and methods whose body starts with ``raise NotImplementedError``."""
-    return [fn.__qualname__ for fn in package.functions if _blank(fn)]
+def unwritten(objects: dict[str, object]) -> list[str]:
+    """Qualified names of the handed functions and methods, and the learner's functions they use, whose
+    body starts with ``raise NotImplementedError``."""
+    found: list[str] = []
+    seen: set[int] = set()
+
+    def visit(obj) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        for fn in functions_of(obj):
+            if _blank(fn) and fn.__qualname__ not in found:
+                found.append(fn.__qualname__)
+            for _, value in read_globals(fn):
+                if isinstance(value, (types.FunctionType, type)) and _by_value(value):
+                    visit(value)
+
+    for obj in objects.values():
+        visit(obj)
+    return found
