@@ -9,6 +9,7 @@ PYTEST_ARGS ?=
 .PHONY: help setup lab test book exercises gpu-check clean
 
 help:
+	@echo "make setup      create .venv with the pinned requirements and the course (Node is not needed)"
 	@echo "make lab        set up .venv and open JupyterLab on the course"
 	@echo "make test       set up, then run the whole test suite (unit, notebooks, exercises, book, browser)"
 	@echo "make book       build the web book into _build/html from the stored outputs"
@@ -16,7 +17,8 @@ help:
 	@echo "make gpu-check  run every program on this machine's GPUs with NCCL (says so and exits 0 without GPUs)"
 	@echo "make determinism  execute every notebook 3 times; fail if any checked text output changes"
 
-setup: $(STAMP) $(ASSETS)
+# The venv only: Node and npm are needed for the book and the tests, not to run the course.
+setup: $(STAMP)
 
 # The venv is made once; it is re-installed only when the pinned requirements change.
 $(STAMP): requirements.txt pyproject.toml

@@ -38,3 +38,20 @@ def pool():
     """Run ``python -m module`` on N ranks of this worker's warm pool (:mod:`intralayer.ranks`):
     ``launch.run``'s contract without torchrun's cost (torch is imported once, by the fork server)."""
     return ranks.launch
+
+
+@pytest.fixture
+def on_ranks():
+    """Run one check function of a check program on N pool ranks; fail with each failed rank's error."""
+    from tests.programs import checks
+
+    def run(program, check, nproc: int, env: dict | None = None, timeout: float = 120.0) -> None:
+        outcomes = ranks.run(checks.run_check, nproc, (program.__name__, check.__name__), deadline=timeout,
+                             env=env, stop_on_failure=True)
+        bad = [o for o in outcomes if not o.ok]
+        if bad:
+            late = any(o.exitcode is None for o in outcomes)
+            pytest.fail(f"{check.__name__} on {nproc} ranks " + ("did not finish in time" if late else "failed") +
+                        "".join(f"\nrank {o.rank}: " + (o.error["traceback"] if o.error else o.stderr[-3000:])
+                                for o in bad[:2]), pytrace=False)
+    return run

@@ -37,10 +37,9 @@ ENV = {"PYTHONPATH": str(ROOT)}
 # ------------------------------------------------------------------ (a) on real ranks
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_ring_and_ulysses_match_sdpa_on_real_ranks(pool, nproc):
-    result = pool("tests.programs.cp_checks", nproc, env=ENV, timeout=120)
-    assert f"{cp_checks.MARKER} {nproc}" in result.output
-    assert all("Traceback" not in text for text in result.stderr.values())
+@pytest.mark.parametrize("check", cp_checks.CHECKS, ids=lambda c: c.__name__)
+def test_ring_and_ulysses_match_sdpa_on_real_ranks(on_ranks, nproc, check):
+    on_ranks(cp_checks, check, nproc, env=ENV, timeout=120)
 
 
 def test_ring_attention_keeps_float64_precision(pool):

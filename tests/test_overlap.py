@@ -38,10 +38,9 @@ ENV = {"PYTHONPATH": str(ROOT)}
 # ------------------------------------------------------------------ (a) on real ranks
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_collective_matmuls_match_unfused_on_real_ranks(pool, nproc):
-    result = pool("tests.programs.overlap_checks", nproc, env=ENV, timeout=300)
-    assert f"{overlap_checks.MARKER} {nproc}" in result.output
-    assert all("Traceback" not in text for text in result.stderr.values())
+@pytest.mark.parametrize("check", overlap_checks.CHECKS, ids=lambda c: c.__name__)
+def test_collective_matmuls_match_unfused_on_real_ranks(on_ranks, nproc, check):
+    on_ranks(overlap_checks, check, nproc, env=ENV, timeout=300)
 
 
 # ------------------------------------------------------------------ (b) the ring's plan

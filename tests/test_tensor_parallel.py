@@ -31,10 +31,9 @@ S, B, H, HEADS, VOCAB = 4, 2, 16, 4, 32
 # ------------------------------------------------------------------ (a) on real ranks
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_parallel_modules_match_their_dense_twins(pool, nproc):
-    result = pool("tests.programs.tp_checks", nproc, env=ENV, timeout=90)
-    assert f"{tp_checks.MARKER} {nproc}" in result.output
-    assert all("Traceback" not in text for text in result.stderr.values())
+@pytest.mark.parametrize("check", tp_checks.CHECKS, ids=lambda c: c.__name__)
+def test_parallel_modules_match_their_dense_twins(on_ranks, nproc, check):
+    on_ranks(tp_checks, check, nproc, env=ENV, timeout=90)
 
 
 # ------------------------------------------------------------------ (b) the rules

@@ -41,11 +41,11 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.distributed_c10d import ProcessGroup
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .parts import Implementation, Param, calls_of, differ, group_info, hunt, lab
 from .ch00 import earlier_part, in_group_words, in_group_words_hunt
+from . import monitor
 from .monitor import COLLECTIVES, watch
 
 #: float64: the longest reduction is a k = 5 or o = 4 term dot product, or a t ≤ 4 term sum
@@ -92,9 +92,9 @@ class _Products(TorchDispatchMode):
         several seconds per rank)."""
         return False
 
-    def __init__(self, storages: set, flight: dict):
+    def __init__(self, storages: set, flight: dict, base: int = 0):
         super().__init__()
-        self.storages, self.flight = storages, flight
+        self.storages, self.flight, self.base = storages, flight, base
         self.products: list[dict] = []
 
     def _is_weight(self, a) -> bool:
@@ -108,7 +108,7 @@ class _Products(TorchDispatchMode):
                 operand = next((a for a in tensors[-2:] if not self._is_weight(a)), None)
                 if operand is not None:
                     self.products.append({"operand": operand.detach().clone(),
-                                          "posted": self.flight["posted"],
+                                          "posted": self.flight["posted"] - self.base,
                                           "in_flight": len(self.flight["pending"])})
             else:                                                # a view or copy of the weight
                 for o in (out if isinstance(out, (tuple, list)) else (out,)):
@@ -122,26 +122,9 @@ def schedule(weight: torch.Tensor, storages: set | None = None):
     """Follow the learner's receives and waits, and its products with ``weight`` (and with the
     tensors in ``storages``, copies of it seen before; the set grows with new copies)."""
     storages = {weight.untyped_storage().data_ptr()} if storages is None else storages
-    flight = {"posted": 0, "pending": set()}
-    recv, wait = vars(ProcessGroup)["recv"], vars(dist.Work)["wait"]    # the descriptors, restored as they were
-
-    def recv_(self, *args, **kwargs):
-        work = recv(self, *args, **kwargs)
-        flight["posted"] += 1
-        flight["pending"].add(id(work))
-        return work
-
-    def wait_(self, *args, **kwargs):
-        flight["pending"].discard(id(self))
-        return wait(self, *args, **kwargs)
-
-    ProcessGroup.recv, dist.Work.wait = recv_, wait_
-    mode = _Products(storages, flight)
-    try:
-        with mode:
-            yield mode
-    finally:
-        ProcessGroup.recv, dist.Work.wait = recv, wait
+    mode = _Products(storages, monitor.FLIGHT, monitor.FLIGHT["posted"])
+    with mode:
+        yield mode
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

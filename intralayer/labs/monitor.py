@@ -14,7 +14,8 @@ Measured on the pinned torch 2.13 with gloo: all of ``send``, ``recv`` (``recv_`
 ``_reduce_scatter_base_``, ``alltoall_base_``, ``broadcast_`` and ``barrier`` reach the mode
 on CPU tensors. What the dispatcher does not see is a request's ``wait()`` (``Work.wait`` is a
 method, not an operator): :func:`watch` wraps it, to tell a second wait on the same request
-apart from a deadlock. The process group arrives as a script object; ``ProcessGroup.unbox``
+apart from a deadlock, and to keep :data:`FLIGHT`, the receives posted and not yet waited for
+(chapter 07's lab reads it at each matrix product). The process group arrives as a script object; ``ProcessGroup.unbox``
 turns it back into the Python group (the same object the learner passed).
 """
 from __future__ import annotations
@@ -107,10 +108,18 @@ class _Recorder(TorchDispatchMode):
                     calls[0].reduce = "SUM"
             for recorded, _, _ in self.watches:
                 recorded.extend(calls)
+            out = func(*args, **kwargs)
+            if op == "recv":                           # posted now, in flight until its wait()
+                work = dist.Work.unbox(out)            # the object the learner's irecv returns
+                FLIGHT["posted"] += 1
+                FLIGHT["pending"][id(work)] = work
+            return out
         return func(*args, **kwargs)
 
 
 _watches: list[tuple[list[Call], frozenset, str]] = []
+#: Receives posted inside the outermost watch, and those not yet waited for (chapter 07's schedule).
+FLIGHT: dict = {"posted": 0, "pending": {}}
 _waited: dict[int, object] = {}             # the requests waited on (kept alive: their ids stay theirs)
 
 
@@ -125,6 +134,7 @@ def _wait_once(wait):
                 raise Forbidden("wait() was called a second time on the same request: a request is waited on "
                                 "once (after its first wait it is done; keep the result, not the request)")
             _waited[id(self)] = self
+            FLIGHT["pending"].pop(id(self), None)
         return wait(self, *args, **kwargs)
     return checked
 
@@ -150,4 +160,5 @@ def watch(forbid: frozenset | set = frozenset(), why: str = ""):
             mode.__exit__(None, None, None)
             dist.Work.wait = wait
             _waited.clear()
+            FLIGHT.update(posted=0, pending={})
         _watches.pop()

@@ -145,3 +145,17 @@ def dense_run(dense, x, upstream):
     out = dense(leaf)
     out.backward(upstream)
     return out.detach(), leaf.grad
+
+
+def run_check(module: str, name: str) -> None:
+    """One ``check_*(n, r, group)`` of a check program on this rank (the target of a pool job): one
+    test item per check (tests/conftest.py's ``on_ranks``)."""
+    import importlib
+
+    import torch.distributed as dist
+
+    from intralayer import distributed
+
+    with distributed.setup() as d:
+        getattr(importlib.import_module(module), name)(d.world_size, d.rank, d.group)
+        dist.barrier()

@@ -398,6 +398,10 @@ def check_bad_input(P, r, group):
            what="unshard: unknown layout")
 
 
+#: Every check, in the order main runs them; each is also a test item of its own (tests.programs.checks.run_check).
+CHECKS = (check_bad_input, check_float32, check_float64, check_bfloat16, check_large_scores, check_shard_unshard)
+
+
 @record
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -460,17 +460,16 @@ def check_bad_input(P, r, group):
            what="mlp_microbatches, 6 rows in 4")
 
 
+#: Every check, in the order main runs them; each is also a test item of its own (tests.programs.checks.run_check).
+CHECKS = (check_bad_input, check_allgather_matmul, check_matmul_reduce_scatter, check_partial_grads, check_ring_trace, check_chunked_trace, check_mlp_microbatches)
+
+
 @record
 def main() -> None:
     with distributed.setup() as d:
         P, r, group = d.world_size, d.rank, d.group
-        check_bad_input(P, r, group)        # first: each must raise before any rank communicates
-        check_allgather_matmul(P, r, group)
-        check_matmul_reduce_scatter(P, r, group)
-        check_partial_grads(P, r, group)
-        check_ring_trace(P, r, group)
-        check_chunked_trace(P, r, group)
-        check_mlp_microbatches(P, r, group)
+        for check in CHECKS:
+            check(P, r, group)
         dist.barrier()
         if d.is_main:
             print(f"{MARKER} {P}")

@@ -247,13 +247,16 @@ def check_bad_input(n, r, group):
     close(got, want, "SP block on s/t + 1 tokens per rank vs the dense block on the longer sequence")
 
 
+#: Every check, in the order main runs them; each is also a test item of its own (tests.programs.checks.run_check).
+CHECKS = (check_layouts, check_memory, check_bad_input)
+
+
 @record
 def main(argv=None) -> None:
     with distributed.setup() as d:
         n, r, group = d.world_size, d.rank, d.group
-        check_layouts(n, r, group)
-        check_memory(n, r, group)
-        check_bad_input(n, r, group)
+        for check in CHECKS:
+            check(n, r, group)
         dist.barrier()
         if d.is_main:
             print(f"{MARKER} {n}")

@@ -414,18 +414,16 @@ def check_bad_input(n, r, group):
            "floating point", what="cross-entropy: integer logits")
 
 
+#: Every check, in the order main runs them; each is also a test item of its own (tests.programs.checks.run_check).
+CHECKS = (check_column, check_row, check_mlp, check_attention_block_gpt, check_cross_entropy, check_accounting, check_dropout, check_bad_input)
+
+
 @record
 def main(argv=None) -> None:
     with distributed.setup() as d:
         n, r, group = d.world_size, d.rank, d.group
-        check_column(n, r, group)
-        check_row(n, r, group)
-        check_mlp(n, r, group)
-        check_attention_block_gpt(n, r, group)
-        check_cross_entropy(n, r, group)
-        check_accounting(n, r, group)
-        check_dropout(n, r, group)
-        check_bad_input(n, r, group)
+        for check in CHECKS:
+            check(n, r, group)
         dist.barrier()
         if d.is_main:
             print(f"{MARKER} {n}")
