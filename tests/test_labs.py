@@ -379,3 +379,26 @@ def test_every_part_belongs_to_a_lab_notebook_and_every_check_cell_to_a_part():
             assert parts.get(recorder.part).chapter == notebook.name[:2], f"{notebook.name}:{gid}"
             assert {r for r, _ in recorder.cases} == {2, 3, 4}, \
                 f"{notebook.name}:{gid} must run on 2 and 4 ranks, and on 3 (where group ranks and process numbers differ)"
+
+
+def test_a_second_wait_on_a_request_is_named():
+    fn = _ring_source(RING.replace("            request.wait()\n", "            request.wait()\n            request.wait()\n"))
+    [failure] = labs.run_many([labs.Check("ring_all_reduce", fn).on(ranks=2)], group_timeout=2.0)
+    assert isinstance(failure, labs.LabFailure), failure
+    assert "wait() was called a second time on the same request" in str(failure), str(failure)
+    assert "deadlock" not in str(failure), str(failure)
+
+
+def test_a_deadlock_names_the_ranks_that_had_already_returned():
+    fn = _ring_source(
+        "def ring_all_reduce(x, group):\n"
+        "    n, me = dist.get_world_size(group), dist.get_rank(group)\n"
+        "    if me == 0:\n"
+        "        return x\n"
+        "    incoming = torch.empty_like(x)\n"
+        "    dist.recv(incoming, group=group, group_src=0)\n"
+        "    return incoming\n")
+    [failure] = labs.run_many([labs.Check("ring_all_reduce", fn).on(ranks=2)], group_timeout=2.0)
+    assert isinstance(failure, labs.LabFailure), failure
+    text = str(failure)
+    assert "timed out waiting at line 6 of ring_all_reduce" in text and "had already returned" in text, text

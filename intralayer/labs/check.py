@@ -335,6 +335,8 @@ def _errors(package: transport.Package, outcomes: list[dict]) -> tuple[list[str]
                "of the group called): a deadlock")
         verb = "timed out waiting" if e["timed_out"] else "lost its peer"
         pairs.append((_who(o["group"], o["group_rank"]), f"{verb}{_where(package, e)}: {why}"))
+    done = [o for o in outcomes if not o.get("error")] if waits else []
+    pairs += [(_who(o["group"], o["group_rank"]), "had already returned (it was not waiting for anyone)") for o in done]
     return lines + _grouped(pairs, len(outcomes), " "), unwritten
 
 
