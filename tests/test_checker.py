@@ -19,16 +19,23 @@ def checker(*paths: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
-def test_solutions_pass_with_full_points():
-    done = checker(ROOT / "solutions/labs/04_context_parallel.ipynb", ROOT / "solutions/02_megatron_tp.ipynb")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "FAIL" not in done.stdout and done.stdout.count("PASS") >= 6, done.stdout
-
-
-def test_blank_notebooks_fail_at_every_check():
-    done = checker(ROOT / "exercises/labs/06_expert_parallel.ipynb")
+def test_solutions_pass_and_a_blank_notebook_fails_at_every_check():
+    """One run of the checker over three notebooks: the exit code is 1 because one fails, and each
+    notebook's lines say which (a solutions lab and exercise at full points, a blank lab at none)."""
+    done = checker(ROOT / "solutions/labs/04_context_parallel.ipynb", ROOT / "solutions/02_megatron_tp.ipynb",
+                   ROOT / "exercises/labs/06_expert_parallel.ipynb")
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "0 of" in done.stdout and "PASS" not in done.stdout and "not written yet" in done.stdout, done.stdout
+    reports = done.stdout.split("\n" + str(ROOT / "solutions/02_megatron_tp.ipynb"))
+    lab04, rest = reports[0], reports[1]
+    ex02, blank = rest.split("\n" + str(ROOT / "exercises/labs/06_expert_parallel.ipynb"))
+    assert "7 of 7 points" in lab04 and "FAIL" not in lab04, done.stdout
+    assert "FAIL" not in ex02 and ex02.count("PASS") >= 3, done.stdout
+    assert ": 0 of" in blank and "PASS" not in blank and "not written yet" in blank, done.stdout
+
+
+def test_solutions_alone_exit_zero():
+    done = checker(ROOT / "solutions/labs/00_collectives.ipynb")
+    assert done.returncode == 0 and "6 of 6 points" in done.stdout, done.stdout + done.stderr
 
 
 def _patched(blank: Path, folder: Path, patch: str) -> Path:
@@ -42,21 +49,24 @@ def _patched(blank: Path, folder: Path, patch: str) -> Path:
     return out
 
 
-@pytest.mark.parametrize("patch", [
+PATCHES = [
     "from intralayer import labs\nlabs.Check.run = lambda self, *a, **k: print('passed')",
     "from intralayer.labs import check as _c\n_c.run_many = lambda checks, *a, **k: [_c.Report('x') for _ in checks]",
     "import intralayer.labs.transport as _t\n_t.unwritten = lambda objects: []",
-])
-def test_a_blank_lab_that_patches_the_check_earns_nothing(tmp_path, patch):
-    done = checker(_patched(ROOT / "exercises/labs/00_collectives.ipynb", tmp_path, patch))
+]
+
+
+def test_blank_notebooks_that_patch_the_checks_earn_nothing(tmp_path):
+    """Each patch a student could put in an answer cell (the check's run, the runner of checks, the
+    blank-exercise test, Python's AssertionError) patches a process that grades nothing."""
+    patched = [_patched(ROOT / "exercises/labs/00_collectives.ipynb", tmp_path / str(i), patch)
+               for i, patch in enumerate(PATCHES)]
+    patched.append(_patched(ROOT / "exercises/00_collectives.ipynb", tmp_path / "ex",
+                            "import builtins\nbuiltins.AssertionError = type('Fine', (Exception,), {})"))
+    done = checker(*patched)
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "0 of 6 points" in done.stdout and "PASS" not in done.stdout, done.stdout
-
-
-def test_a_blank_exercise_that_redefines_assert_helpers_earns_nothing(tmp_path):
-    patch = "import builtins\nbuiltins.AssertionError = type('Fine', (Exception,), {})"
-    done = checker(_patched(ROOT / "exercises/00_collectives.ipynb", tmp_path, patch))
-    assert done.returncode == 1 and "PASS" not in done.stdout, done.stdout + done.stderr
+    assert done.stdout.count("0 of 6 points") == len(PATCHES) and "0 of 5 points" in done.stdout, done.stdout
+    assert "PASS" not in done.stdout, done.stdout
 
 
 def test_a_notebook_that_is_not_the_courses_is_refused_by_name(tmp_path):

@@ -43,7 +43,7 @@ def test_the_fork_server_has_one_thread_and_a_warm_job_is_fast(pool):
 
 
 def test_outcomes_are_typed_values_and_errors():
-    outcomes = ranks.run(ranks.run_module, 2, ("tests.programs.misbehave", ["raise"]), deadline=60)
+    outcomes = ranks.run(ranks.run_module, 2, ("tests.programs.misbehave", ["raise"]), deadline=60, stop_on_failure=True)
     assert [o.rank for o in outcomes] == [0, 1]
     failed = outcomes[1]
     assert failed.error["type"] == "RuntimeError" and FAILURE_TEXT in failed.error["message"]
