@@ -109,6 +109,7 @@ def _guard(modules: tuple[str, ...], why: str):
 def _run_case(part, ns, case, group, files) -> dict:
     """One case on this rank: the part's check, what the learner's code printed, refusals."""
     printed = io.StringIO()
+    mine = tuple(dist.get_process_group_ranks(group))
     try:
         with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed), \
                 monitor.watch(part.forbid_ops, part.why) as calls:
@@ -117,7 +118,11 @@ def _run_case(part, ns, case, group, files) -> dict:
         raise
     except BaseException as exc:                      # the learner's code may raise anything, SystemExit too
         outcome, calls = {"error": error_info(exc, files)}, []
-    mine = tuple(dist.get_process_group_ranks(group))
+        if not (outcome["error"]["timed_out"] or outcome["error"]["lost_peer"]):
+            # Close this rank's side of the case's group: a peer still waiting for it in a send or a
+            # collective learns at once that it failed ("closed by peer"), not at the group's timeout.
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(group)
     strays = sorted({c.group for c in calls if not set(c.group) <= set(mine)})     # sub-groups of it are fine
     if strays:
         outcome.setdefault("problems", []).append(
