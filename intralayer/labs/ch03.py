@@ -177,11 +177,13 @@ def reference(seed: int, n: int, me: int) -> dict:
     mine[_rows(n, me)] = U[_rows(n, me)]                             # the loss of this rank's tokens only
     _, _, shares = run(mine)
     Y, dX, grads = run(U)
+    with torch.no_grad():                                            # a common slip, to name it
+        Y_tanh = X + fc2(F.gelu(fc1(ln(X)), approximate="tanh"))
     f = FFN_ // n
     cols = slice(me * f, (me + 1) * f)
     cut = {"ln_w": slice(None), "ln_b": slice(None), "w1": cols, "b1": cols, "w2": (slice(None), cols),
            "b2": slice(None)}
-    return {"X": X, "U": U, "Y": Y, "dX": dX, "full": grads,
+    return {"X": X, "U": U, "Y": Y, "Y_tanh": Y_tanh, "dX": dX, "full": grads,
             "weights": {k: params[k].detach()[cut[k]] for k in params},
             "grads": {k: grads[k][cut[k]] for k in params}, "shares": {k: shares[k] for k in REPLICATED}}
 
@@ -221,6 +223,10 @@ def check_mlp(ns, case, group) -> dict:
                 wrong += f"; it holds {n} times fc2's bias: add the bias once, after the reduce-scatter"
             elif torch.allclose(off, -ref["X"][rows], **TOL):
                 wrong += "; the residual x is missing"
+            elif torch.allclose(y.detach(), ref["Y_tanh"][rows], **TOL):
+                wrong += ("; it is the MLP with the tanh approximation of GeLU (approximate='tanh'): this MLP's "
+                          "GeLU is the exact one, F.gelu(x) with its default approximate='none', as in the dense "
+                          "reference")
         problems.append(wrong)
     elements = ref["X"].numel()
     problems += _boundary(forward, elements, "the forward pass",

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .parts import Implementation, Param, differ, group_info, hunt, lab, traffic
-from .ch00 import in_group_words, in_group_words_hunt
+from .ch00 import earlier_part, in_group_words, in_group_words_hunt
 from .monitor import watch
 
 E_, H_, F_ = 5, 4, 6                   # experts, hidden size, expert width
@@ -118,7 +118,23 @@ def _slot_words(got: torch.Tensor, want: torch.Tensor, expert_index: torch.Tenso
     e = int(expert_index[t, j])
     should = (f"be dropped (−1): expert {e}'s {cap} places were taken by assignments served before it"
               if int(want[t, j]) < 0 else f"be {int(want[t, j])}")
-    return f"token {t}'s choice {j + 1} (expert {e}) got place {int(got[t, j])}; it should {should}"
+    said = f"token {t}'s choice {j + 1} (expert {e}) got place {int(got[t, j])}; it should {should}"
+    if _queues_full_but_reordered(got, expert_index, cap):
+        said = (f"every expert's queue holds as many assignments as it should, each place once, but not in "
+                f"GShard's order (every first choice in token order, then every second choice, …): {said}. A sort "
+                f"by expert reorders the assignments of one expert unless it is stable (torch.sort or "
+                f"torch.argsort with stable=True)")
+    return said
+
+
+def _queues_full_but_reordered(got: torch.Tensor, expert_index: torch.Tensor, cap: int) -> bool:
+    """Whether every queue has min(chosen, C) places 0, 1, …, each once: only the order is wrong."""
+    for e in range(E_):
+        chosen = int((expert_index == e).sum())
+        places = sorted(int(c) for c in got[(expert_index == e) & (got >= 0)])
+        if places != list(range(min(chosen, cap))):
+            return False
+    return True
 
 
 def _buffer_words(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, expert_index: torch.Tensor,
@@ -134,7 +150,17 @@ def _buffer_words(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, expert
     else:
         holds = "zeros" if not bool(got.detach()[e, c].any()) else "something else"
     rows = got.shape[0] * got.shape[1]
-    return f"buffer[{e}, {c}] holds {holds}; it should hold {should} ({bad.shape[0]} of {rows} rows wrong)"
+    said = f"buffer[{e}, {c}] holds {holds}; it should hold {should} ({bad.shape[0]} of {rows} rows wrong)"
+    other = next((q for q in range(want.shape[0]) if q != e and bool(want[q].any())
+                  and torch.equal(got.detach()[e], want[q])), None)
+    if other is not None:
+        empty = [q for q in range(want.shape[0]) if not bool((expert_index == q).any())]
+        said = f"buffer[{e}] holds expert {other}'s queue: {said}"
+        if empty:
+            said += (f". Expert {empty[0]} has an empty queue on this rank (no token chose it), and it still has "
+                     f"its C rows in the buffer, zeros: index the buffer by the expert's number, not by its position "
+                     f"among the experts that were chosen (torch.unique and a split by its counts skip an empty one)")
+    return said
 
 
 def _summary_dispatch(facts: dict) -> str:
@@ -364,10 +390,25 @@ def balance_loss_local_counts(logits, expert_index, kept, group):
     return E * (f * probs.sum(dim=0) / tokens).sum()
 
 
-in_group_words_hunt(hunt("balance_loss_capacity", "test_balance_loss", {
+def dispatch_first(part):
+    """The bug hunt's test may call the learner's ``dispatch`` of part 1 for its kept mask: check that first,
+    on part 1's visible case, so that a wrong dispatch is named as such (not as a test that misses the bug)."""
+    run = part.run
+
+    def wrapped(ns, case, group):
+        earlier = earlier_part(ns, "dispatch", 1, check_dispatch, {"seed": 0, "k": 2, "capacity_factor": 1.0}, group)
+        if earlier:
+            raise AssertionError(earlier[0])             # its first problem: a message is cut at 400 characters
+        return run(ns, case, group)
+
+    part.run = wrapped
+    return part
+
+
+in_group_words_hunt(dispatch_first(hunt("balance_loss_capacity", "test_balance_loss", {
     "kept_only": Implementation(balance_loss_kept_only, True, "NVIDIA/Megatron-LM#1513"),
     "correct": Implementation(balance_loss, False),
     "local_counts": Implementation(balance_loss_local_counts, True),
 }, hint="the bug needs assignments that capacity drops (kept must have a False) and a router whose choices are "
         "uneven; compare the sum of the ranks' shares with E·Σ f_i·π_i computed on one process from every "
-        "rank's logits and choices"))
+        "rank's logits and choices")))

@@ -220,6 +220,12 @@ def check_step(ns, case, group) -> dict:
         elif isinstance(out, torch.Tensor) and out.shape == (M_, H_) and tp > 1 and torch.allclose(
                 out - out_d.detach()[rows], (tp - 1) * fc2.bias.detach().expand(M_, H_), **TOL):
             wrong += f"; it holds {tp} times fc2's bias: add the bias once, after g"
+        elif isinstance(out, torch.Tensor) and out.shape == (M_, H_):
+            with torch.no_grad():
+                tanh = fc2(F.gelu(fc1(x[rows]), approximate="tanh"))
+            if torch.allclose(out.detach(), tanh, **TOL):
+                wrong += ("; it is the MLP with the tanh approximation of GeLU (approximate='tanh'): this MLP's GeLU "
+                          "is the exact one, F.gelu(x) with its default approximate='none', as in the dense reference")
         problems.append(wrong)
     if set(p) != {"w1", "b1", "w2", "b2"}:
         problems.append(f"p has the keys {sorted(p)}; it should hold 'w1', 'b1', 'w2', 'b2'")

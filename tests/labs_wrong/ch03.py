@@ -207,6 +207,13 @@ def mlp_no_residual(x, p, group):
     return _Scatter.apply(hidden @ p["w2"].T, group) + p["b2"]
 
 
+def mlp_tanh_gelu(x, p, group):
+    """The right boundary, but the tanh approximation of GeLU."""
+    z = F.layer_norm(x, x.shape[-1:], p["ln_w"], p["ln_b"])
+    hidden = F.gelu(_Gather.apply(z, group) @ p["w1"].T + p["b1"], approximate="tanh")
+    return x + _Scatter.apply(hidden @ p["w2"].T, group) + p["b2"]
+
+
 def mlp_whole_sequence(x, p, group):
     """Returns the whole (s, b, h) output on every rank (an all-reduce out of fc2)."""
     xs = _Gather.apply(x, group)
@@ -358,6 +365,7 @@ def mlp_reusing_part1(x, p, group):
 
 WRONG = [
     ("gather_sequence_check", GatherProcessNumber, ["x.grad is off", "it used the global rank (the process number)"]),
+    ("sp_mlp_check", mlp_tanh_gelu, ["the output is off", "tanh approximation of GeLU", "approximate='none'"]),
     ("sp_mlp_check", mlp_reusing_part1, ["your GatherSequence from part 1 fails its check", "x.grad is off"]),
     ("test_sp_norm_linear_check", test_process_number, ["fails on the correct", "it used the global rank (the process number)"]),
     ("gather_sequence_check", GatherKeepsOwn, ["x.grad is off", "own gradient of its rows only",

@@ -78,6 +78,36 @@ def dispatch_library(x, expert_index, experts, capacity):
     return route.kept, route.kept
 
 
+def dispatch_unstable_sort(x, expert_index, experts, capacity):
+    """Sorts the assignments (choice rank first, then token) by expert without stable=True: ties reorder."""
+    T, k = expert_index.shape
+    flat = expert_index.T.reshape(-1)                                    # (k·T,): GShard's order
+    order = torch.argsort(flat)                                          # not stable: equal experts reorder
+    counts = torch.bincount(flat, minlength=experts)
+    starts = counts.cumsum(0) - counts
+    place = torch.empty_like(flat)
+    place[order] = torch.arange(flat.numel()) - starts[flat[order]]
+    slot = place.reshape(k, T).T
+    slot = torch.where(slot < capacity, slot, -1)
+    return _fill(x, expert_index, slot, experts, capacity), slot
+
+
+def dispatch_skips_empty_expert(x, expert_index, experts, capacity):
+    """Splits the sorted rows into the queues that torch.unique finds: an expert nobody chose gets no rows,
+    and every later expert's queue moves up one."""
+    slot = _places(expert_index, experts)
+    slot = torch.where(slot < capacity, slot, -1)
+    kept = slot >= 0
+    token = torch.arange(x.shape[0]).unsqueeze(1).expand_as(slot)
+    flat_e, flat_s, flat_t = expert_index[kept], slot[kept], token[kept]
+    order = torch.argsort(flat_e * capacity + flat_s)
+    _, counts = torch.unique(flat_e, return_counts=True)                 # the experts that were chosen only
+    buffer = x.new_zeros(experts, capacity, x.shape[1])
+    for e, rows in enumerate(x[flat_t[order]].split(counts.tolist())):
+        buffer = buffer.index_put((torch.full((rows.shape[0],), e), torch.arange(rows.shape[0])), rows)
+    return buffer, slot
+
+
 # ------------------------------------------------------------------ combine
 
 def combine_unweighted(expert_out, slot, expert_index, weights):
@@ -193,4 +223,56 @@ WRONG = [
     ("test_balance_loss_check", test_same_batch_on_every_rank, ["passes on the buggy", "only this rank's choices"]),
     ("test_balance_loss_check", test_reference_counts_kept, ["fails on the correct"]),
     ("test_balance_loss_check", test_share_is_positive, ["passes on the buggy", "does not catch the bug"]),
+]
+
+
+# ------------------------------------------------------------------ new wrong answers (issue 25)
+
+def _hunt_case(n, me, dispatch_fn=None):
+    """Every rank's logits and choices (skewed, so capacity binds) and this rank's kept mask."""
+    T, E, k = 8, 4, 2
+    every, choices = _batch(n)
+    cap = math.ceil(T * k / E)
+    kept = ((dispatch_fn(torch.zeros(T, 1, dtype=torch.float64), choices[me], E, cap)[1] if dispatch_fn
+             else torch.where(_places(choices[me], E) < cap, 0, -1)) >= 0)
+    return every, choices, kept
+
+
+def test_process_number(balance_loss, group):
+    """The full test, but it picks this rank's logits with the process number (dist.get_rank())."""
+    n, me = dist.get_world_size(group), dist.get_rank()
+    every, choices, kept = _hunt_case(n, me)
+    total = _total(balance_loss(every[me].clone(), choices[me], kept, group), group)
+    assert torch.allclose(total, _loss(every, choices, 4, 2), rtol=1e-12, atol=0)
+
+
+def test_own_share_only(balance_loss, group):
+    """Checks only this rank's own share, against the loss of its own tokens split n ways: it expects the
+    local-counts bug."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    every, choices, kept = _hunt_case(n, me)
+    share = balance_loss(every[me].clone(), choices[me], kept, group)
+    assert torch.allclose(share.detach(), _loss(every[me:me + 1], choices[me:me + 1], 4, 2) / n, rtol=1e-12, atol=0)
+
+
+dispatch = dispatch_no_capacity          # the learner's part 1, wrong; test_with_own_dispatch calls it
+
+
+def test_with_own_dispatch(balance_loss, group):
+    """The right test, on the kept mask of the learner's own (wrong) dispatch of part 1: it keeps everything."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    every, choices, kept = _hunt_case(n, me, dispatch)
+    total = _total(balance_loss(every[me].clone(), choices[me], kept, group), group)
+    assert torch.allclose(total, _loss(every, choices, 4, 2), rtol=1e-12, atol=0)
+
+
+WRONG += [
+    ("dispatch_check", dispatch_unstable_sort, ["token", "place", "stable=True"]),
+    ("dispatch_check", dispatch_skips_empty_expert, ["buffer[0] holds expert 1's queue", "empty queue",
+                                                   "by the expert's number"]),
+    ("test_balance_loss_check", test_process_number, ["fails on the correct",
+                                                      "it used the global rank (the process number)"]),
+    ("test_balance_loss_check", test_own_share_only, ["fails on the correct", "must pass on a correct"]),
+    ("test_balance_loss_check", test_with_own_dispatch, ["your dispatch from part 1 fails its check",
+                                                         "past the capacity C"]),
 ]

@@ -276,3 +276,224 @@ WRONG = [
     ("test_allgather_matmul_check", test_own_block, ["passes on the buggy", "as if it came from the right"]),
     ("test_allgather_matmul_check", test_shape_only, ["passes on the buggy"]),
 ]
+
+
+# ------------------------------------------------------------------ new wrong answers (issue 25)
+
+def ag_process_number(x_shard, weight, group):
+    """The right ring, but it counts with the process number (dist.get_rank()) instead of the group rank."""
+    t, r = dist.get_world_size(group), dist.get_rank()
+    n = x_shard.shape[0]
+    out = x_shard.new_empty(t * n, weight.shape[0])
+    gathered = x_shard.new_empty(t * n, x_shard.shape[1])
+    held = x_shard.contiguous()
+    for i in range(t):
+        if i < t - 1:
+            incoming = torch.empty_like(held)
+            ops = [dist.P2POp(dist.isend, held, group=group, group_peer=(r + 1) % t),
+                   dist.P2POp(dist.irecv, incoming, group=group, group_peer=(r - 1) % t)]
+            requests = dist.batch_isend_irecv(ops)
+        q = (r - i) % t
+        out[q * n:(q + 1) * n] = F.linear(held, weight)
+        gathered[q * n:(q + 1) * n] = held
+        if i < t - 1:
+            for request in requests:
+                request.wait()
+            held = incoming
+    return out, gathered
+
+
+def ag_blocking_sendrecv(x_shard, weight, group):
+    """A ring of blocking dist.send / dist.recv, one product per block: right numbers, nothing overlapped."""
+    t, r = dist.get_world_size(group), dist.get_rank(group)
+    n = x_shard.shape[0]
+    out = x_shard.new_empty(t * n, weight.shape[0])
+    gathered = x_shard.new_empty(t * n, x_shard.shape[1])
+    held = x_shard.contiguous()
+    for i in range(t):
+        q = (r - i) % t
+        out[q * n:(q + 1) * n] = F.linear(held, weight)
+        gathered[q * n:(q + 1) * n] = held
+        if i < t - 1:
+            incoming = torch.empty_like(held)
+            if r % 2 == 0:                                    # even ranks send first: no deadlock
+                dist.send(held, group=group, group_dst=(r + 1) % t)
+                dist.recv(incoming, group=group, group_src=(r - 1) % t)
+            else:
+                dist.recv(incoming, group=group, group_src=(r - 1) % t)
+                dist.send(held, group=group, group_dst=(r + 1) % t)
+            held = incoming
+    return out, gathered
+
+
+def ag_ring_then_block_products(x_shard, weight, group):
+    """Gathers every shard round the ring first, then multiplies block by block: t products, none overlapped."""
+    t, r = dist.get_world_size(group), dist.get_rank(group)
+    n = x_shard.shape[0]
+    gathered = x_shard.new_empty(t * n, x_shard.shape[1])
+    held = x_shard.contiguous()
+    for i in range(t):
+        q = (r - i) % t
+        gathered[q * n:(q + 1) * n] = held
+        if i < t - 1:
+            incoming, requests = _exchange(held, group)
+            for request in requests:
+                request.wait()
+            held = incoming
+    out = torch.cat([F.linear(gathered[((r - i) % t) * n:((r - i) % t + 1) * n], weight) for i in range(t)])
+    order = torch.cat([torch.arange(((r - i) % t) * n, ((r - i) % t + 1) * n) for i in range(t)])
+    return out[torch.argsort(order)], gathered
+
+
+def ag_direct_exchange(x_shard, weight, group):
+    """Sends its shard straight to every other rank (an all-gather from sends), then one product of everything."""
+    t, r = dist.get_world_size(group), dist.get_rank(group)
+    parts = [x_shard.contiguous() if q == r else torch.empty_like(x_shard) for q in range(t)]
+    ops = [dist.P2POp(dist.isend, x_shard.contiguous(), group=group, group_peer=q) for q in range(t) if q != r]
+    ops += [dist.P2POp(dist.irecv, parts[q], group=group, group_peer=q) for q in range(t) if q != r]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    gathered = torch.cat(parts)
+    return F.linear(gathered, weight), gathered
+
+
+def ag_reverse_ring(x_shard, weight, group):
+    """Runs the ring the other way (sends to r−1, receives from r+1): right numbers, the wrong neighbours."""
+    t, r = dist.get_world_size(group), dist.get_rank(group)
+    n = x_shard.shape[0]
+    out = x_shard.new_empty(t * n, weight.shape[0])
+    gathered = x_shard.new_empty(t * n, x_shard.shape[1])
+    held = x_shard.contiguous()
+    for i in range(t):
+        if i < t - 1:
+            incoming = torch.empty_like(held)
+            ops = [dist.P2POp(dist.isend, held, group=group, group_peer=(r - 1) % t),
+                   dist.P2POp(dist.irecv, incoming, group=group, group_peer=(r + 1) % t)]
+            requests = dist.batch_isend_irecv(ops)
+        q = (r + i) % t
+        out[q * n:(q + 1) * n] = F.linear(held, weight)
+        gathered[q * n:(q + 1) * n] = held
+        if i < t - 1:
+            for request in requests:
+                request.wait()
+            held = incoming
+    return out, gathered
+
+
+class AGMProcessNumber(torch.autograd.Function):
+    """Backward's partial-sum ring counts with the process number (dist.get_rank())."""
+
+    @staticmethod
+    def forward(ctx, x_shard, weight, group):
+        out, gathered = _ring(x_shard, weight, group)
+        ctx.save_for_backward(weight, gathered)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, gathered = ctx.saved_tensors
+        group = ctx.group
+        t, r = dist.get_world_size(group), dist.get_rank()
+        n = grad.shape[0] // t
+        incoming, requests = None, []
+        for i in range(t):
+            q = (r + t - 1 - i) % t
+            part = grad[q * n:(q + 1) * n] @ weight
+            if i > 0:
+                for request in requests:
+                    request.wait()
+                part = part + incoming
+            if i == t - 1:
+                return part, grad.T @ gathered, None
+            incoming = torch.empty_like(part)
+            ops = [dist.P2POp(dist.isend, part, group=group, group_peer=(r + 1) % t),
+                   dist.P2POp(dist.irecv, incoming, group=group, group_peer=(r - 1) % t)]
+            requests = dist.batch_isend_irecv(ops)
+
+
+class AGMBlockingBackward(torch.autograd.Function):
+    """Backward's partial sums travel by blocking dist.send / dist.recv: the products overlap nothing."""
+
+    @staticmethod
+    def forward(ctx, x_shard, weight, group):
+        out, gathered = _ring(x_shard, weight, group)
+        ctx.save_for_backward(weight, gathered)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, gathered = ctx.saved_tensors
+        group = ctx.group
+        t, r = dist.get_world_size(group), dist.get_rank(group)
+        n = grad.shape[0] // t
+        part = None
+        for i in range(t):
+            q = (r + t - 1 - i) % t
+            mine = grad[q * n:(q + 1) * n] @ weight
+            part = mine if part is None else mine + part
+            if i == t - 1:
+                return part, grad.T @ gathered, None
+            incoming = torch.empty_like(part)
+            if r % 2 == 0:
+                dist.send(part.contiguous(), group=group, group_dst=(r + 1) % t)
+                dist.recv(incoming, group=group, group_src=(r - 1) % t)
+            else:
+                dist.recv(incoming, group=group, group_src=(r - 1) % t)
+                dist.send(part.contiguous(), group=group, group_dst=(r + 1) % t)
+            part = incoming
+
+
+ring_allgather_matmul = ag_waits_first        # the learner's part 1, wrong; AGMReusingPart1 calls it
+
+
+class AGMReusingPart1(torch.autograd.Function):
+    """A right backward on top of the learner's own (wrong: nothing overlapped) ring of part 1."""
+
+    @staticmethod
+    def forward(ctx, x_shard, weight, group):
+        out, gathered = ring_allgather_matmul(x_shard, weight, group)
+        ctx.save_for_backward(weight, gathered)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, gathered = ctx.saved_tensors
+        return _rs_ring(grad, weight, ctx.group), grad.T @ gathered, None
+
+
+def test_process_number(allgather_matmul, group):
+    """The full test, but it cuts this rank's shard with the process number mod t (dist.get_rank() % t)."""
+    t = dist.get_world_size(group)
+    r = dist.get_rank() % t
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2 * t, 3, generator=g, dtype=torch.float64)
+    weight = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    out = allgather_matmul(x[2 * r:2 * r + 2].clone(), weight, group)
+    assert torch.allclose(out, F.linear(x, weight))
+
+
+def test_two_ranks_only(allgather_matmul, group):
+    """The full comparison, but only on a ring of 2: the mirrored ring is right there."""
+    t, r, x, weight = _pieces(group)
+    out = allgather_matmul(x[2 * r:2 * r + 2].clone(), weight, group)
+    if t == 2:
+        assert torch.allclose(out, F.linear(x, weight))
+
+
+WRONG += [
+    ("ring_allgather_matmul_check", ag_process_number, ["it used the global rank (the process number)"]),
+    ("ring_allgather_matmul_check", ag_blocking_sendrecv, ["no receive in flight"]),
+    ("ring_allgather_matmul_check", ag_ring_then_block_products, ["no receive in flight", "already waited"]),
+    ("ring_allgather_matmul_check", ag_direct_exchange, ["sent to group rank", "in one product", "nothing overlaps"]),
+    ("ring_allgather_matmul_check", ag_reverse_ring, ["sent to group rank", "right neighbour"]),
+    ("AllGatherMatmul_check", AGMProcessNumber, ["it used the global rank (the process number)"]),
+    ("AllGatherMatmul_check", AGMBlockingBackward, ["backward pass's product", "no receive in flight"]),
+    ("AllGatherMatmul_check", AGMReusingPart1, ["your ring_allgather_matmul from part 1 fails its check",
+                                                "no receive in flight"]),
+    ("test_allgather_matmul_check", test_process_number, ["fails on the correct",
+                                                          "it used the global rank (the process number)"]),
+    ("test_allgather_matmul_check", test_two_ranks_only, ["passes on the buggy", "3 or more ranks"]),
+]

@@ -211,3 +211,127 @@ WRONG = [
     ("test_mfu_check", test_in_range, ["passes on the buggy", "does not catch the bug"]),
     ("test_mfu_check", test_six_n, ["fails on the correct", "must pass on a correct implementation"]),
 ]
+
+
+# ------------------------------------------------------------------ new wrong answers (issue 25)
+
+def step_process_number(fc1, fc2, x, y, tp_group, dp_group):
+    """Finds its TP and DP ranks from the process number (dist.get_rank()), as on a mesh that starts at 0."""
+    t, d = dist.get_world_size(tp_group), dist.get_world_size(dp_group)
+    i, j = dist.get_rank() % t, dist.get_rank() // t % d
+    f = fc1.out_features // t
+    cols = slice(i * f, (i + 1) * f)
+
+    def own(w):
+        return w.detach().clone().requires_grad_()
+
+    p = {"w1": own(fc1.weight[cols]), "b1": own(fc1.bias[cols]), "w2": own(fc2.weight[:, cols]), "b2": own(fc2.bias)}
+    m = x.shape[0] // d
+    rows = slice(j * m, (j + 1) * m)
+    out = _forward(p, x[rows], tp_group)
+    F.mse_loss(out, y[rows]).backward()
+    for w in p.values():
+        dist.all_reduce(w.grad, group=dp_group)
+        w.grad /= d
+    return out.detach(), p
+
+
+def step_world_group(fc1, fc2, x, y, tp_group, dp_group):
+    """All-reduces the gradients in the default group (no group=): every process, not the DP group."""
+    p = _shard(fc1, fc2, tp_group)
+    rows = _rows(x, dp_group)
+    out = _forward(p, x[rows], tp_group)
+    F.mse_loss(out, y[rows]).backward()
+    d = dist.get_world_size(dp_group)
+    for w in p.values():
+        dist.all_reduce(w.grad)
+        w.grad /= d
+    return out.detach(), p
+
+
+def step_g_in_dp_group(fc1, fc2, x, y, tp_group, dp_group):
+    """Sums the partial outputs (g) over the DP group instead of the TP group."""
+    p = _shard(fc1, fc2, tp_group)
+    rows = _rows(x, dp_group)
+    hidden = F.gelu(x[rows] @ p["w1"].T + p["b1"])
+    out = comm.reduce_from_group(hidden @ p["w2"].T, dp_group) + p["b2"]
+    F.mse_loss(out, y[rows]).backward()
+    d = dist.get_world_size(dp_group)
+    for w in p.values():
+        dist.all_reduce(w.grad, group=dp_group)
+        w.grad /= d
+    return out.detach(), p
+
+
+def step_averages_in_tp_and_dp(fc1, fc2, x, y, tp_group, dp_group):
+    """Averages the gradients over the DP group and then over the TP group too."""
+    p = _shard(fc1, fc2, tp_group)
+    rows = _rows(x, dp_group)
+    out = _forward(p, x[rows], tp_group)
+    F.mse_loss(out, y[rows]).backward()
+    d, t = dist.get_world_size(dp_group), dist.get_world_size(tp_group)
+    for w in p.values():
+        dist.all_reduce(w.grad, group=dp_group)
+        w.grad /= d
+        dist.all_reduce(w.grad, group=tp_group)
+        w.grad /= t
+    return out.detach(), p
+
+
+def step_tanh_gelu(fc1, fc2, x, y, tp_group, dp_group):
+    """The right step with the tanh approximation of GeLU."""
+    p = _shard(fc1, fc2, tp_group)
+    rows = _rows(x, dp_group)
+    hidden = F.gelu(x[rows] @ p["w1"].T + p["b1"], approximate="tanh")
+    out = comm.reduce_from_group(hidden @ p["w2"].T, tp_group) + p["b2"]
+    F.mse_loss(out, y[rows]).backward()
+    d = dist.get_world_size(dp_group)
+    for w in p.values():
+        dist.all_reduce(w.grad, group=dp_group)
+        w.grad /= d
+    return out.detach(), p
+
+
+mesh_ranks = place_swapped                  # the learner's part 1, wrong; step_reusing_part1 calls it
+
+
+def step_reusing_part1(fc1, fc2, x, y, tp_group, dp_group):
+    """A right step that finds its DP rank with the learner's own (wrong) mesh_ranks of part 1."""
+    p = _shard(fc1, fc2, tp_group)
+    dp_ranks = dist.get_process_group_ranks(dp_group)
+    _, dps = mesh_ranks(dp_ranks, 1)                                 # the DP group as a 1-wide mesh
+    d, j = len(dp_ranks), dps[0].index(dist.get_rank())
+    m = x.shape[0] // d
+    rows = slice(j * m, (j + 1) * m)
+    out = _forward(p, x[rows], tp_group)
+    F.mse_loss(out, y[rows]).backward()
+    for w in p.values():
+        dist.all_reduce(w.grad, group=dp_group)
+        w.grad /= d
+    return out.detach(), p
+
+
+def test_throughput_ratio(mfu, group):
+    """Only that the MFU doubles with the throughput: true of any count of FLOPs."""
+    model = _moe()
+    assert abs(mfu(model, 128, 2000.0, 1e12) / mfu(model, 128, 1000.0, 1e12) - 2) <= 1e-12
+
+
+def test_every_expert_routed(mfu, group):
+    """An MoE model whose tokens go to every expert (top_k = experts), and a 5 % tolerance."""
+    model = planner.Model("tiny MoE", layers=2, hidden=16, heads=2, kv_heads=2, ffn=64, vocab=100, mlp_matrices=3,
+                          experts=4, top_k=4, moe_ffn=32)
+    want = planner.flops_per_token(model, 128)["model"] * 1000.0 / 1e12
+    assert abs(mfu(model, 128, 1000.0, 1e12) - want) <= 0.05 * want
+
+
+WRONG += [
+    ("tp_dp_step_check", step_process_number, ["it used the global rank (the process number)"]),
+    ("tp_dp_step_check", step_world_group, ["used the default process group", "pass group=group"]),
+    ("tp_dp_step_check", step_g_in_dp_group, ["the output is off", "the TP group carried"]),
+    ("tp_dp_step_check", step_averages_in_tp_and_dp, ["the TP group carried"]),
+    ("tp_dp_step_check", step_tanh_gelu, ["tanh approximation of GeLU", "approximate='none'"]),
+    ("tp_dp_step_check", step_reusing_part1, ["your mesh_ranks from part 1 fails its check", "are strided"]),
+    ("test_mfu_check", test_throughput_ratio, ["passes on the buggy", "does not catch the bug"]),
+    ("test_mfu_check", test_every_expert_routed, ["passes on the buggy", "top_k smaller than the number of experts"]),
+]
