@@ -372,6 +372,14 @@ def _hunt_case(check: Check, package: transport.Package, case: dict, outcomes: l
     if not impl.buggy and failed:
         return ("", [f"{test} fails on the correct {what}: {errors[0]}. A test must pass on a correct "
                      "implementation"]), None
+    groups = {tuple(o["group"]) for o in outcomes}
+    missed = sorted(g for g in groups if not any(o.get("error") for o in outcomes if tuple(o["group"]) == g))
+    if impl.buggy and missed:               # each group of the case runs the test on its own
+        caught = sorted(groups - set(missed))
+        return ("", [f"{test} passes on the buggy {what} in the group of processes {list(missed[0])} and "
+                     f"catches it only in {list(caught[0])}: a test must fail wherever the bug is — does it "
+                     "assert on one process only (dist.get_rank() == 0, say)? Every rank of every group "
+                     "should check what it can"]), None
     if impl.buggy:
         first = next(o for o in outcomes if o.get("error"))
         e = first["error"]

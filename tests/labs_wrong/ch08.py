@@ -335,3 +335,19 @@ WRONG += [
     ("test_mfu_check", test_throughput_ratio, ["passes on the buggy", "does not catch the bug"]),
     ("test_mfu_check", test_every_expert_routed, ["passes on the buggy", "top_k smaller than the number of experts"]),
 ]
+
+
+
+def test_rank0_only(mfu, group):
+    """The right test, run on process 0 only: in the pair of processes [1, 2] it checks nothing."""
+    if dist.get_rank() != 0:
+        return
+    dense = planner.Model("tiny", layers=1, hidden=16, heads=2, kv_heads=2, ffn=64, vocab=1000)
+    moe = planner.Model("tiny MoE", layers=2, hidden=16, heads=2, kv_heads=2, ffn=64, vocab=100,
+                        mlp_matrices=3, experts=8, top_k=2, moe_ffn=32)
+    for model in (dense, moe):
+        want = planner.flops_per_token(model, 128)["model"] * 1000.0 / 1e12
+        assert abs(mfu(model, 128, 1000.0, 1e12) - want) <= 1e-9 * want
+
+
+WRONG += [("test_mfu_check", test_rank0_only, ["in the group of processes [1, 2]", "assert on one process only"])]
