@@ -250,6 +250,19 @@ def stop(procs) -> None:
             p.join()
 
 
+def alive() -> list:
+    """The ranks of this process's pool still running (the fork server's children): none between jobs."""
+    import multiprocessing.forkserver
+
+    import psutil
+
+    pid = multiprocessing.forkserver._forkserver._forkserver_pid
+    try:
+        return psutil.Process(pid).children(recursive=True) if pid else []
+    except psutil.NoSuchProcess:
+        return []
+
+
 # ---------------------------------------------------------------------------- programs as modules
 
 def run_module(module: str, argv: list[str]) -> int:

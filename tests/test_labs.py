@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 import linecache
 import os
-import sys
+
 import time
 from pathlib import Path
 
@@ -26,7 +26,7 @@ import multiprocessing.forkserver
 import psutil
 import pytest
 
-from intralayer import labs
+from intralayer import labs, ranks
 from intralayer.collectives import ring_all_reduce as library_ring
 import cloudpickle
 
@@ -70,8 +70,8 @@ def check_for(notebook: Path, grade_id: str, answer) -> labs.Check:
     recorder = _Recorder()
     exec(grade_cells(notebook)[grade_id], _Namespace({"labs": recorder}))  # noqa: S102 (our own notebook's cell)
     check = labs.Check(recorder.part, *([answer] * len(parts.get(recorder.part).objects)))
-    for ranks, params in recorder.cases:
-        check.on(ranks, **params)
+    for n, params in recorder.cases:
+        check.on(n, **params)
     return check
 
 
@@ -132,15 +132,6 @@ def _ring_source(body: str):
     return namespace["ring_all_reduce"]
 
 
-def runners() -> list[psutil.Process]:
-    """Ranks of this process's pool still alive: the fork server's children (it forks every rank)."""
-    pid = multiprocessing.forkserver._forkserver._forkserver_pid
-    try:
-        return psutil.Process(pid).children(recursive=True) if pid else []
-    except psutil.NoSuchProcess:
-        return []
-
-
 RING = ("def ring_all_reduce(x, group):\n"
         "    n, me = dist.get_world_size(group), dist.get_rank(group)\n"
         "    chunks = [c.clone() for c in x.chunk(n)]\n"
@@ -183,7 +174,7 @@ def test_checks_share_one_fork_server_and_a_dead_one_is_replaced():
     third = labs.run_many([labs.Check("ring_all_reduce", fn).on(ranks=3)])[0]
     assert isinstance(third, labs.Report), third
     assert multiprocessing.forkserver._forkserver._forkserver_pid != server
-    assert not runners()
+    assert not ranks.alive()
 
 
 def test_what_the_ranks_print_is_shown_under_the_verdict_pass_or_fail():
@@ -223,7 +214,7 @@ def test_a_deadlock_ends_at_the_group_timeout_naming_the_line():
     assert isinstance(result, labs.LabFailure), result
     text = str(result)
     assert "timed out waiting at line 4 of ring_all_reduce" in text and "deadlock" in text, text
-    assert not runners()
+    assert not ranks.alive()
 
 
 def test_an_endless_loop_is_stopped_at_the_deadline_naming_the_line():
@@ -238,7 +229,7 @@ def test_an_endless_loop_is_stopped_at_the_deadline_naming_the_line():
     assert isinstance(result, labs.LabFailure), result
     text = str(result)
     assert "did not finish" in text and "after 6 s" in text and "at line 3 of ring_all_reduce: `x = x + 0`" in text, text
-    assert not runners(), "processes outlived the check"
+    assert not ranks.alive(), "processes outlived the check"
 
 
 def test_a_rank_that_dies_is_reported():
@@ -250,7 +241,7 @@ def test_a_rank_that_dies_is_reported():
     [result] = labs.run_many([labs.Check("ring_all_reduce", fn).on(ranks=2)], deadline=40.0, group_timeout=2.0)
     assert isinstance(result, labs.LabFailure), result
     assert "process 2 exited with code 3" in str(result) and "lost their peer" in str(result), str(result)
-    assert not runners()
+    assert not ranks.alive()
 
 
 # ---------------------------------------------------------------------------- the notebook side

@@ -15,21 +15,12 @@ from tests.programs.misbehave import FAILURE_TEXT
 MISBEHAVE = "tests.programs.misbehave"
 
 
-def leftovers() -> list[psutil.Process]:
-    """Ranks still alive: the fork server's children (it forks every rank)."""
-    pid = multiprocessing.forkserver._forkserver._forkserver_pid
-    try:
-        return psutil.Process(pid).children(recursive=True) if pid else []
-    except psutil.NoSuchProcess:
-        return []
-
-
 def test_a_program_runs_on_three_pool_ranks_with_torchruns_environment(pool):
     result = pool("intralayer.programs.hello_allreduce", 3, timeout=60)
     assert result.output.strip() == "3 ranks, gloo: the all-reduce of the rank numbers 0 … 2 left 3 on every rank: correct"
     assert sorted(result.stdout) == [0, 1, 2] and result.stdout[1] == result.stdout[2] == ""
     assert result.nproc == 3 and result.seconds > 0
-    assert not leftovers()
+    assert not ranks.alive()
 
 
 def test_the_fork_server_has_one_thread_and_a_warm_job_is_fast(pool):
@@ -57,7 +48,7 @@ def test_a_rank_that_raises_fails_the_run_with_its_traceback_and_the_others_are_
     text = str(info.value)
     assert "failed" in text and "rank 1's last lines of stderr" in text and FAILURE_TEXT in text, text
     assert "1: 1" in text, text
-    assert not leftovers()
+    assert not ranks.alive()
 
 
 def test_a_hanging_job_is_stopped_at_the_deadline(pool):
@@ -65,7 +56,7 @@ def test_a_hanging_job_is_stopped_at_the_deadline(pool):
     with pytest.raises(launch.LaunchError, match="did not finish within 6 s"):
         pool(MISBEHAVE, 2, args=["hang"], timeout=6)
     assert 6 <= time.monotonic() - start < 6 + 2 * ranks.GRACE_S + 5
-    assert not leftovers()
+    assert not ranks.alive()
 
 
 @pytest.mark.parametrize("call, words", [
