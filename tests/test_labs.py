@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib
 import linecache
 import os
-
 import time
 from pathlib import Path
 
