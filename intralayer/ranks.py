@@ -1,12 +1,14 @@
 """One pool of warm ranks, for the labs' checks and the library's multi-rank tests.
 
 ``run(target, world, args)`` calls ``target(*args)`` on ``world`` gloo ranks and returns
-one :class:`Outcome` per rank. Everything in it is the standard library's or torch's:
+one :class:`Outcome` per rank. Everything in it is the standard library's or torch's
+(psutil only for :func:`alive`):
 
 - the ranks are :mod:`multiprocessing` processes of the ``forkserver`` start method with
-  this module preloaded, so the fork server imports torch once (about 2.4 s here) and
-  every rank of every later job is forked from it in milliseconds — safe, because the
-  fork server has one thread and has run no tensor operation;
+  this module preloaded, so the fork server imports torch once (a first check takes about
+  3 s here, a later one about 0.3 s) and every rank of every later job is forked from it —
+  safe, because the fork server has one thread (:data:`SERVER_ENV`; tests/test_ranks.py
+  checks it) and only imports modules;
 - they meet through a ``FileStore`` in the job's own folder (``init_method=file://``, read
   by :func:`intralayer.distributed.setup` from ``INTRALAYER_INIT_METHOD``): no port to pick;
 - a rank hands back what ``target`` returned, or the exception it raised, through a pipe,

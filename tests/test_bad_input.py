@@ -12,7 +12,7 @@
     the module or function, the argument, what was expected and what came, with no
     collective recorded. The table of cases is tests/programs/bad_input_checks.py.
 (c) The same table on 2 real ranks, with the rules that bite only on more than one rank
-    and inputs no backend can send: launched through ``tests/warm_ranks.py``; a rank
+    and inputs no backend can send: launched through the pool (``intralayer.ranks``); a rank
     that raised late would leave its peer waiting in a collective.
 """
 from __future__ import annotations

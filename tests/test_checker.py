@@ -73,3 +73,14 @@ def test_a_notebook_that_is_not_the_courses_is_refused_by_name(tmp_path):
     nbformat.write(nbformat.v4.new_notebook(), other)
     done = checker(other)
     assert done.returncode != 0 and "no notebook of that name in solutions/" in done.stderr, done.stderr
+
+
+def test_a_submission_without_its_answer_cells_gets_no_solution_in_their_place(tmp_path):
+    """Deleting an answer cell (or losing its metadata) must not bring in the course's solution."""
+    nb = nbformat.read(ROOT / "solutions/labs/00_collectives.ipynb", as_version=4)
+    nb.cells = [c for c in nb.cells if not c.get("metadata", {}).get("nbgrader", {}).get("solution")]
+    out = tmp_path / "labs" / "00_collectives.ipynb"
+    out.parent.mkdir()
+    nbformat.write(nb, out)
+    done = checker(out)
+    assert done.returncode == 1 and "0 of 6 points" in done.stdout, done.stdout + done.stderr

@@ -222,7 +222,7 @@ def test_an_endless_loop_is_stopped_at_the_deadline_naming_the_line():
         "    while True:\n"
         "        x = x + 0\n")
     start = time.monotonic()
-    # The deadline leaves a loaded machine time to fork the ranks from the warm runner and enter the loop.
+    # The deadline leaves a loaded machine time to fork the ranks from the warm fork server and enter the loop.
     [result] = labs.run_many([labs.Check("ring_all_reduce", fn).on(ranks=2)], deadline=6.0, group_timeout=2.0)
     assert time.monotonic() - start < 30
     assert isinstance(result, labs.LabFailure), result

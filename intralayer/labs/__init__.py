@@ -18,13 +18,16 @@ The check cell of a lab part::
     ### END HIDDEN TESTS
     check.run()
 
-The cases are collected first and run together, in one start of the ranks (about 2–3 s
-here), when ``run()`` is called, so the hidden cases nbgrader adds cost no extra start.
-It works the same under ``make lab``, nbval and ``nbgrader autograde``: the learner's
-functions and classes travel as source (:mod:`.source`), the ranks are processes of their
-own (:mod:`.runner`), and what they find comes back in words (:mod:`.check`), as a
-:class:`LabFailure` (an ``AssertionError``, so nbgrader gives no points) or, for a check
-that passes, one printed line per case with what was measured.
+The cases are collected first and run together, in one start of the ranks, when ``run()``
+is called, so the hidden cases nbgrader adds cost no extra start (a whole check takes
+well under a second once the pool's fork server is up; its first start, which imports
+torch once, about 3 s here). It works the same under ``make lab``, nbval and ``nbgrader
+autograde``: the learner's functions and classes travel by value, pickled with cloudpickle
+(:mod:`.transport`), to four ranks of the pool (:mod:`intralayer.ranks`; the rank-side code
+is :mod:`.runner`), and what they find comes back in words (:mod:`.check`), as a
+:class:`LabFailure` (an ``AssertionError``, so that it reads as a failed check; nbgrader
+scores any error in a graded cell as zero) or, for a check that passes, one printed line
+per case with what was measured, and under either what the learner's code printed.
 
 The parts are registered by the chapter modules ``chNN`` of this package (:mod:`.parts`
 explains how); the rank-side recording of every send and collective is :mod:`.monitor`.

@@ -1,10 +1,10 @@
 """The headless checker: ``python -m intralayer.labs check NOTEBOOK.ipynb [...]``.
 
 For each submitted lab or exercise notebook it runs every check, outside any kernel, from
-the code of the submission's answer cells only (nbgrader's ``solution`` cells): the other
+the code of the submission's answer cells only (nbgrader's ``solution`` cells; one it lacks runs as an empty cell): the other
 cells — set-up and checks, hidden cases included — come from the course's own
 ``solutions/`` notebook of the same name. It prints, per check, pass or fail and the points
-(nbgrader's), and exits 0 only when every check passes.
+(nbgrader's), and exits 0 only when every check passes (2 for a notebook that is missing).
 
 Three processes, so that the verdict is never computed where the submission's cells ran:
 
@@ -62,7 +62,10 @@ def reference(submission: Path) -> Path:
 def _plan(submission: Path) -> list[dict]:
     """The cells to run, in the reference's order: its set-up and check cells, the submission's answers."""
     answers = {c["id"]: c for c in _cells(submission) if c["solution"]}
-    return [answers.get(c["id"], c) if c["solution"] else c for c in _cells(reference(submission))]
+    # An answer cell the submission lacks (deleted, or its metadata lost) runs as an empty cell: never
+    # the course's own solution.
+    return [answers.get(c["id"], {**c, "source": ""}) if c["solution"] else c
+            for c in _cells(reference(submission))]
 
 
 def _exec(cell: dict, ns: dict) -> None:
@@ -166,8 +169,8 @@ def _in_process(role: str, request: dict, timeout: float = 600.0) -> list[dict]:
         return pickle.loads(reply.read_bytes())
 
 
-def check(submission: Path) -> tuple[float, float, list[str]]:
-    """Points earned, points possible, and one line per check."""
+def check(submission: Path) -> tuple[bool, float, float, list[str]]:
+    """Whether every check passed, points earned, points possible, and one line per check."""
     from intralayer import labs
 
     cells = _plan(submission)
@@ -192,7 +195,7 @@ def check(submission: Path) -> tuple[float, float, list[str]]:
     earned = sum(f["points"] for f, ok, _ in verdicts if ok)
     lines = [f"{'PASS' if ok else 'FAIL'}  {f['id']}  {f['points'] if ok else 0:g}/{f['points']:g}"
              + ("" if ok else "\n      " + why.replace("\n", "\n      ")) for f, ok, why in verdicts]
-    return earned, sum(f["points"] for f, _, _ in verdicts), lines
+    return all(ok for _, ok, _ in verdicts), earned, sum(f["points"] for f, _, _ in verdicts), lines
 
 
 def main(argv: list[str]) -> int:
@@ -212,10 +215,10 @@ def main(argv: list[str]) -> int:
         if not path.is_file():
             print(f"{path}: no such notebook", file=sys.stderr)
             return 2
-        earned, possible, lines = check(path)
+        passed, earned, possible, lines = check(path)
         print(f"{path}: {earned:g} of {possible:g} points")
         print("\n".join(f"  {line}" for line in lines))
-        everything = everything and earned == possible
+        everything = everything and passed
     return 0 if everything else 1
 
 

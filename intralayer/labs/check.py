@@ -27,7 +27,7 @@ from . import parts, runner, transport
 #: Seconds a case's group may wait for a peer before its collective fails (a deadlock).
 GROUP_TIMEOUT_S = 10.0
 #: Seconds a whole check may take before its processes are stopped (an endless loop). A
-#: passing check takes a few seconds; nbgrader's own limit per cell defaults to 30 s
+#: passing check takes under a second once the pool is up; nbgrader's own limit per cell defaults to 30 s
 #: (book/instructors.md says how to raise it).
 DEADLINE_S = 60.0
 MAX_LINES = 8
@@ -46,7 +46,7 @@ class Report:
     part: str
     lines: list[str] = field(default_factory=list)
     seconds: float = 0.0                  # from the start of the ranks to their end
-    start_method: str = ""                # how the runner started them: 'fork', or 'spawn' where fork is unsafe
+    start_method: str = ""                # how the pool started them: 'forkserver' (ranks.START_METHOD)
 
     def __str__(self) -> str:
         return "\n".join(self.lines)

@@ -11,8 +11,8 @@ operation the lab forbids raises :class:`Forbidden` before anything is sent.
 
 Measured on the pinned torch 2.13 with gloo: all of ``send``, ``recv`` (``recv_``, also from
 ``irecv`` and ``batch_isend_irecv``), ``allreduce_``, ``allgather_``, ``_allgather_base_``,
-``_reduce_scatter_base_``, ``alltoall_base_``, ``broadcast_`` and ``barrier`` reach the mode
-on CPU tensors. What the dispatcher does not see is a request's ``wait()`` (``Work.wait`` is a
+``_reduce_scatter_base_``, ``alltoall_base_`` and ``broadcast_`` reach the mode on CPU
+tensors (so does ``barrier``, which moves no data and is neither recorded nor refused). What the dispatcher does not see is a request's ``wait()`` (``Work.wait`` is a
 method, not an operator): :func:`watch` wraps it, to tell a second wait on the same request
 apart from a deadlock, and to keep :data:`FLIGHT`, the receives posted and not yet waited for
 (chapter 07's lab reads it at each matrix product). The process group arrives as a script object; ``ProcessGroup.unbox``
@@ -122,9 +122,6 @@ _watches: list[tuple[list[Call], frozenset, str]] = []
 FLIGHT: dict = {"posted": 0, "pending": {}}
 _waited: dict[int, object] = {}             # the requests waited on (kept alive: their ids stay theirs)
 
-
-def install() -> None:
-    """Nothing to install: kept for callers of the earlier monitor (the recorder needs no patching)."""
 
 
 def _wait_once(wait):

@@ -9,10 +9,12 @@ learner's code prints captured. After each job it reports its outcomes at once
 (:func:`intralayer.ranks.report`), so a rank that dies later still leaves them.
 
 Safety: every case's group has a timeout (``group_timeout``: a send that no one receives
-fails in seconds); after each case all ranks meet on the world group, so a rank stuck in
-its case holds the others only until that timeout. A rank whose group timed out leaves
-without tearing its groups down (``os._exit``), once its results are reported; the pool
-stops what is left at its deadline.
+fails in seconds); after each case all ranks meet on the world group, so a rank stuck in a
+communication call of its case holds the others only until that timeout (one stuck in an
+endless loop, until the world group's timeout or the check's deadline). A rank whose case
+raised closes its side of the case's group at once, so that its peers stop waiting. After a
+job in which any rank of a case failed, each rank leaves without tearing its groups down
+(``os._exit``), once its results are reported; the pool stops what is left at its deadline.
 """
 from __future__ import annotations
 

@@ -28,8 +28,8 @@ import torch
 
 
 class SourceError(AssertionError):
-    """The learner's code cannot be sent to the ranks. An ``AssertionError``, so that nbgrader
-    counts the check as failed."""
+    """The learner's code cannot be sent to the ranks. An ``AssertionError``, so that it reads as a
+    failed check (nbgrader scores any error in a graded cell as zero)."""
 
 
 @dataclass
