@@ -116,10 +116,10 @@ def _rank(rank: int, world: int, folder: str, target, args, env: dict, conn, ala
     os._exit(1 if reply[0] == "error" else 0)       # no teardown: a broken group may hang in it
 
 
-#: What the fork server imports once for every rank: torch, the labs with every chapter's checks
-#: (which import the whole library), and torch._dynamo, which a TorchDispatchMode's first use
-#: imports otherwise (measured: 3–9 s per rank here, most of a check's time).
-PRELOAD = [__name__, "intralayer.labs", "torch._dynamo"]
+#: What the fork server imports once for every rank: torch, and the labs with every chapter's checks
+#: (which import the whole library). Not torch._dynamo: the labs' dispatch modes opt out of it
+#: (:class:`intralayer.labs.monitor.Mode`).
+PRELOAD = [__name__, "intralayer.labs"]
 
 
 #: The fork server's environment: one thread (NumPy's and torch's thread pools would otherwise start

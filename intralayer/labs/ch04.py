@@ -37,10 +37,10 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .parts import Implementation, Param, calls_of, differ, group_info, hunt, lab
 from .ch00 import earlier_part, in_group_words, in_group_words_hunt
+from . import monitor
 from .monitor import COLLECTIVES, watch
 
 #: float64. The longest sums are over s = 12 keys (and s·b rows of a gradient) of terms up to
@@ -161,7 +161,7 @@ _SCORE_OPS = {"bmm", "mm", "baddbmm", "addmm", "matmul", "_softmax", "_log_softm
               "max", "sub", "div", "mul", "masked_fill", "where", "add", "_safe_softmax"}
 
 
-class _ScoreWidths(TorchDispatchMode):
+class _ScoreWidths(monitor.Mode):
     """The widest key axis of any score matrix (…, s/P, w) the learner's code computed: ring attention
     works on one block of s/P keys at a time, so w > s/P means it held several blocks' keys at once."""
 

@@ -41,7 +41,6 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .parts import Implementation, Param, calls_of, differ, group_info, hunt, lab
 from .ch00 import earlier_part, in_group_words, in_group_words_hunt
@@ -75,7 +74,7 @@ def layer(case: dict, t: int) -> dict:
 
 # ---------------------------------------------------------------------------- the schedule
 
-class _Products(TorchDispatchMode):
+class _Products(monitor.Mode):
     """Every matrix product with the weight (or a copy of it), and what was in flight then.
 
     Dispatch-level ops are seen in the backward pass too (the engine runs it on this

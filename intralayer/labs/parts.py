@@ -188,7 +188,11 @@ def differ(got, want: torch.Tensor, what: str, rtol: float = 0.0, atol: float = 
     if not bool(bad.any()):
         return None
     flat = int(torch.argmax(diff.reshape(-1)))
-    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), tuple(want.shape)))
+    index = []
+    for size in reversed(tuple(want.shape)):          # not torch.unravel_index: it imports sympy (1 s a rank)
+        flat, i = divmod(flat, size)
+        index.insert(0, i)
+    index = tuple(index)
     at = index[0] if len(index) == 1 else index
     return (f"{what} is off by up to {float(diff.max()):.3g}: at index {at} it is {float(got.detach()[index]):.6g}, "
             f"it should be {float(want[index]):.6g} ({int(bad.sum())} of {want.numel()} elements wrong)")
