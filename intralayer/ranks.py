@@ -6,7 +6,7 @@ one :class:`Outcome` per rank. Everything in it is the standard library's or tor
 
 - the ranks are :mod:`multiprocessing` processes of the ``forkserver`` start method with
   this module preloaded, so the fork server imports torch once (a first check takes about
-  3 s here, a later one about 0.3 s) and every rank of every later job is forked from it —
+  1.7 s here, a later one about 0.2 s) and every rank of every later job is forked from it —
   safe, because the fork server has one thread (:data:`SERVER_ENV`; tests/test_ranks.py
   checks it) and only imports modules;
 - they meet through a ``FileStore`` in the job's own folder (``init_method=file://``, read

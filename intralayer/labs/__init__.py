@@ -21,7 +21,7 @@ The check cell of a lab part::
 The cases are collected first and run together, in one start of the ranks, when ``run()``
 is called, so the hidden cases nbgrader adds cost no extra start (a whole check takes
 well under a second once the pool's fork server is up; its first start, which imports
-torch once, about 3 s here). It works the same under ``make lab``, nbval and ``nbgrader
+torch once, about 2 s here). It works the same under ``make lab``, nbval and ``nbgrader
 autograde``: the learner's functions and classes travel by value, pickled with cloudpickle
 (:mod:`.transport`), to four ranks of the pool (:mod:`intralayer.ranks`; the rank-side code
 is :mod:`.runner`), and what they find comes back in words (:mod:`.check`), as a
