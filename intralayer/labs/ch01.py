@@ -26,8 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .parts import Implementation, calls_of, differ, group_info, hunt, lab, traffic
-from .ch00 import in_group_words, in_group_words_hunt
+from .parts import in_group_words, in_group_words_hunt, Implementation, calls_of, differ, group_info, hunt, lab, traffic
 from .monitor import watch
 
 #: float64 throughout: a reordered sum of n ≤ 64 terms of order 1 differs from the dense one

@@ -28,8 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .parts import Implementation, Param, calls_of, differ, group_info, hunt, lab, traffic
-from .ch00 import in_group_words, in_group_words_hunt
+from .parts import in_group_words, in_group_words_hunt, Implementation, Param, calls_of, differ, group_info, hunt, lab, traffic
 from .monitor import watch
 
 #: float64: the longest reduction is the 4h = 24-term row of fc2 (and the s·b = 6 rows of a

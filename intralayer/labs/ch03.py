@@ -39,8 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .parts import Implementation, Param, calls_of, differ, group_info, hunt, lab, traffic
-from .ch00 import earlier_part, in_group_words, in_group_words_hunt
+from .parts import earlier_part, in_group_words, in_group_words_hunt, Implementation, Param, calls_of, differ, group_info, hunt, lab, traffic
 from .monitor import watch
 
 #: float64 throughout: the longest sums are fc2's 24 terms and a weight gradient's s·b = 24 rows

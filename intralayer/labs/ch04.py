@@ -38,8 +38,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .parts import Implementation, Param, calls_of, differ, group_info, hunt, lab
-from .ch00 import earlier_part, in_group_words, in_group_words_hunt
+from .parts import earlier_part, in_group_words, in_group_words_hunt, Implementation, Param, calls_of, differ, group_info, hunt, lab
 from . import monitor
 from .monitor import COLLECTIVES, watch
 

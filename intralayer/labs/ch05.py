@@ -39,8 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .parts import Implementation, Param, differ, group_info, hunt, lab, traffic
-from .ch00 import earlier_part, in_group_words, in_group_words_hunt
+from .parts import earlier_part, in_group_words, in_group_words_hunt, Implementation, Param, differ, group_info, hunt, lab, traffic
 from .monitor import watch
 
 E_, H_, F_ = 5, 4, 6                   # experts, hidden size, expert width

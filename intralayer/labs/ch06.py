@@ -43,8 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import comm
-from .parts import Implementation, Param, calls_of, differ, group_info, hunt, lab, traffic
-from .ch00 import earlier_part, in_group_words, in_group_words_hunt
+from .parts import earlier_part, in_group_words, in_group_words_hunt, Implementation, Param, calls_of, differ, group_info, hunt, lab, traffic
 from .monitor import watch
 
 H_, F_ = 4, 5                          # hidden size, expert width; E = 2P experts, two per rank

@@ -46,9 +46,8 @@ import torch.nn.functional as F
 
 from .. import planner
 from .check import GROUP_TIMEOUT_S
-from .parts import Implementation, Param, calls_of, differ, group_info, hunt, lab, traffic
+from .parts import earlier_part, in_group_words, in_group_words_hunt, Implementation, Param, calls_of, differ, group_info, hunt, lab, traffic
 from .runner import layout
-from .ch00 import earlier_part, in_group_words, in_group_words_hunt
 from .monitor import watch
 
 #: float64: the longest reduction is fc2's 4h = 24-term row, or a weight gradient's sum over

@@ -13,17 +13,24 @@ be edited.
   must pass on every rank). Which is which is in ``implementations``.
 
 Rank side, each check gets the learner's module (``ns``), the case's parameters and its
-process group; :mod:`.monitor` records what the learner's code sends.
+process group; :mod:`.monitor` records what the learner's code sends. The helpers every
+chapter's checks share are here too: :func:`differ`, :func:`traffic`, :func:`in_group_words`
+(a failure that comes from counting with the process number, said in words) and
+:func:`earlier_part` (a later part checks the learner's earlier part first).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
+import re
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from . import monitor
 
@@ -169,7 +176,6 @@ def every() -> list[Part]:
 
 def group_info(group) -> tuple[int, int]:
     """(n, this rank's rank in the group)."""
-    import torch.distributed as dist
 
     return dist.get_world_size(group), dist.get_rank(group)
 
@@ -217,3 +223,132 @@ def traffic(calls: list[monitor.Call]) -> str:
             else f"{', '.join(map(str, sizes))} elements"
         parts.append(f"{len(sizes)} {plural} ({each})")
     return ", ".join(parts)
+
+
+# ---------------------------------------------------------------------------- process numbers, in words
+#
+# Every lab's check runs the learner's code on groups whose ranks differ from the process
+# numbers (:func:`.runner.layout`). Code that counts with dist.get_rank() — the process number —
+# where it needs dist.get_rank(group) fails there, but with gloo's or torch's words
+# ("Pair is not connected", "Global rank 3 is not part of group"). :func:`in_group_words`
+# wraps a rank-side check so that such a failure says what the learner did.
+
+#: The files of the learner's code in the job being run (:func:`.runner.run_job` sets them).
+LEARNER_FILES: set[str] = set()
+
+
+def _learner_frame(depth: int = 2) -> bool:
+    """Whether the caller's caller is the learner's code (a file of the job's learner code)."""
+    return sys._getframe(depth).f_code.co_filename in LEARNER_FILES
+
+
+@contextmanager
+def _no_group_calls():
+    """Record the learner's calls of dist.get_rank() / dist.get_world_size() without a group."""
+    seen: list[str] = []
+    originals = dist.get_rank, dist.get_world_size
+
+    def wrap(original, name):
+        @functools.wraps(original)
+        def wrapper(group=None, *args, **kwargs):
+            if (group is None or group is dist.group.WORLD) and _learner_frame():
+                seen.append(name)
+            return original(group, *args, **kwargs)
+        return wrapper
+
+    dist.get_rank, dist.get_world_size = wrap(originals[0], "get_rank"), wrap(originals[1], "get_world_size")
+    try:
+        yield seen
+    finally:
+        dist.get_rank, dist.get_world_size = originals
+
+
+def process_number_words(seen: list[str], group) -> str | None:
+    """The sentence for code that called dist.get_rank() (or get_world_size()) without its group."""
+    if not seen:
+        return None
+    n, me = group_info(group)
+    ranks = dist.get_process_group_ranks(group)
+    differ_here = [f"process {p} is rank {j}" for j, p in enumerate(ranks) if p != j]
+    said = []
+    if "get_rank" in seen and differ_here:
+        said.append(f"dist.get_rank() without its group is the process number, not the rank in the group (in this "
+                    f"group of processes {ranks}, {', '.join(differ_here)})")
+    if "get_world_size" in seen and dist.get_world_size() != n:
+        said.append(f"dist.get_world_size() without its group counts every process ({dist.get_world_size()}), "
+                    f"not the group's {n} ranks")
+    if not said:
+        return None                        # right here by chance: this group's ranks are the process numbers
+    return ("it used the global rank (the process number) where the group rank is needed: " + "; ".join(said)
+            + ". Use dist.get_rank(group) and dist.get_world_size(group)")
+
+
+def _reworded(exc: BaseException, seen: list[str], group) -> str | None:
+    """A learner-readable first line for an error that a peer from the process number causes, or None."""
+    text = str(exc)
+    ranks = dist.get_process_group_ranks(group)
+    n = len(ranks)
+    said = process_number_words(seen, group)
+    guess = " — a peer computed from dist.get_rank() (the process number) instead of dist.get_rank(group)?"
+    m = re.search(r"Global rank (\d+) is not part of group", text)
+    if m:
+        return (f"torch read peer {m[1]} as a process number (dst=, src= and a P2POp's peer are global ranks, even "
+                f"with group=), and process {m[1]} is not in this group (processes {ranks}): name the peer by its "
+                f"rank in the group with group_dst=, group_src= or group_peer=" + (f". Also, {said}" if said else ""))
+    m = re.search(r"Group rank (\d+) is not part of group", text)
+    if m:
+        what = f"it named group rank {m[1]} as a peer, but the group has only ranks 0 to {n - 1}"
+    elif "Pair is not connected" in text:
+        what = "a rank sent to or received from itself (gloo says 'Pair is not connected')"
+    elif said:
+        return said
+    else:
+        return None
+    return f"{said}; so {what}" if said else what + guess
+
+
+def in_group_words(run):
+    """Wrap a rank-side check ``run(ns, case, group)``: a failure that comes from counting with the
+    process number says so, in words (an error's message is reworded; a wrong result gets a problem)."""
+    @functools.wraps(run)
+    def wrapped(ns, case, group):
+        with _no_group_calls() as seen:
+            try:
+                outcome = run(ns, case, group)
+            except BaseException as exc:
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
+                words = _reworded(exc, seen, group)
+                if words:
+                    exc.args = (words,)
+                raise
+        said = process_number_words(seen, group)
+        if said and outcome.get("problems"):
+            outcome["problems"].append(said)
+        return outcome
+    return wrapped
+
+
+def earlier_part(ns, name: str, part: int, run, case: dict, group) -> list[str]:
+    """Check the learner's ``name`` from part ``part`` first, with that part's rank-side check ``run``
+    (on every rank, so the ranks stay in step): its problems, each said as such — a later part that
+    reuses it cannot be right while it is wrong. An error it raises is re-raised with the same words."""
+    if not callable(getattr(ns, name, None)):
+        return []
+    said = f"your {name} from part {part} fails its check"
+    try:
+        outcome = run(ns, case, group)
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        text = str(exc).strip()
+        exc.args = (f"{said}: it raised {type(exc).__name__}" + (f": {text.splitlines()[0]}" if text else "")
+                    + "; fix it first: this part calls it",)
+        raise
+    return [f"{said} (fix it first: this part calls it): {p}" for p in outcome.get("problems", [])]
+
+
+def in_group_words_hunt(part):
+    """The same for a bug hunt's part (its run is built by :func:`.parts.hunt`)."""
+    part.run = in_group_words(part.run)
+    return part

@@ -34,8 +34,6 @@ from .. import distributed, ranks
 from . import monitor, parts
 
 WORLD = 4
-#: The files of the learner's code in the job being run (its frames are the learner's).
-LEARNER_FILES: set[str] = set()
 #: Lines of what the learner's code printed, kept per rank and case.
 PRINTED_LINES = 12
 
@@ -138,8 +136,8 @@ def run_job(job: dict, d: distributed.Dist, group_timeout: float) -> tuple[dict,
     """This rank's outcome of every case of one job, and whether a group timed out (or failed)."""
     part = parts.get(job["part"])
     files = set(job["files"])
-    LEARNER_FILES.clear()
-    LEARNER_FILES.update(files)
+    parts.LEARNER_FILES.clear()
+    parts.LEARNER_FILES.update(files)
     with _guard(part.forbid_modules, part.why):
         try:
             ns, load_error = types.SimpleNamespace(**cloudpickle.loads(job["payload"])), None
