@@ -7,6 +7,12 @@ writes torchrun's ``ChildFailedError`` as JSON: each failed rank's exit code and
 ``main``, writes. If a rank fails or the timeout passes, every process is stopped and a
 :class:`LaunchError` says which rank failed, how, and — from the stacks ranks print when stopped
 (:func:`distributed.setup`) — what the others were doing.
+
+The test suite sets :data:`POOL_ENV` for the notebooks it executes: there the same program runs,
+with torchrun's environment (``RANK``, ``WORLD_SIZE``, …), on ranks of :mod:`intralayer.ranks`'
+warm pool (about 0.2 s a launch instead of torchrun's 6 s, measured here: torchrun and four
+ranks each import torch). torchrun itself is tested where it is the subject (tests/test_launch.py,
+test_faults.py, test_concurrency.py, test_gpu_check.py); a reader's notebook always uses torchrun.
 """
 from __future__ import annotations
 
@@ -30,6 +36,8 @@ from .distributed import TIMEOUT_ENV
 
 MAX_RANKS_HERE = 8
 TAIL_LINES = 25
+#: Set to "1" (by tests/conftest.py, for the notebooks nbval executes): :func:`run` uses the rank pool.
+POOL_ENV = "INTRALAYER_LAUNCH_ON_POOL"
 
 
 class LaunchError(RuntimeError):
@@ -76,6 +84,18 @@ def run(module: str, nproc: int, args: tuple | list = (), timeout: float = 120.0
     job outlives the call, also when the caller is interrupted (``KeyboardInterrupt``).
     """
     _check(module, nproc, timeout)
+    if os.environ.get(POOL_ENV) == "1":
+        from . import ranks
+
+        result = ranks.launch(module, nproc, args, timeout, env)
+    else:
+        result = _torchrun(module, nproc, args, timeout, env)
+    if show and result.output:
+        print(result.output, end="" if result.output.endswith("\n") else "\n")
+    return result
+
+
+def _torchrun(module: str, nproc: int, args, timeout: float, env: dict[str, str] | None) -> LaunchResult:
     logs = Path(tempfile.mkdtemp(prefix="intralayer-launch-"))
     child_env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     # The process group gives up a little before the launch does, so that a rank
@@ -105,8 +125,6 @@ def run(module: str, nproc: int, args: tuple | list = (), timeout: float = 120.0
             raise LaunchError(_failure_message(module, nproc, code, result, failures, agent))
     finally:
         shutil.rmtree(logs, ignore_errors=True)
-    if show and result.output:
-        print(result.output, end="" if result.output.endswith("\n") else "\n")
     return result
 
 

@@ -1,9 +1,10 @@
 """Suite-wide: the time each notebook took, slowest first; and the order files start in."""
+import os
 from collections import defaultdict
 
 import pytest
 
-from intralayer import ranks
+from intralayer import launch, ranks
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -31,6 +32,13 @@ def pytest_collection_modifyitems(items):
     def rank(item):
         return next((i for i, prefix in enumerate(LONG_POLES) if item.nodeid.startswith(prefix)), len(LONG_POLES))
     items.sort(key=rank)           # stable: within a file, and among the rest, the order is kept
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A test here sees the environment without chapters/conftest.py's launch.POOL_ENV (a worker runs
+    notebooks too), so a test of launch.run tests torchrun."""
+    os.environ.pop(launch.POOL_ENV, None)
 
 
 @pytest.fixture

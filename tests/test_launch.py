@@ -273,3 +273,15 @@ def test_all_to_all_on_one_rank_with_rows_and_accounting(solo_group):
 def test_all_to_all_of_no_rows_of_a_2d_tensor(solo_group):
     y = comm.all_to_all(torch.zeros(0, 3), in_splits=[0], out_splits=[0])
     assert y.shape == (0, 3)
+
+
+def test_the_notebooks_pool_launch_keeps_launch_runs_contract(monkeypatch, capsys):
+    """What nbval's notebooks get (chapters/conftest.py sets launch.POOL_ENV): the same program on pool
+    ranks, rank 0's output shown and returned, one log per rank; a failing rank still raises LaunchError."""
+    monkeypatch.setenv(launch.POOL_ENV, "1")
+    result = launch.run("intralayer.programs.collectives", 2, timeout=60)
+    assert "2 ranks, gloo on cpu; every rank's results checked: all correct" in result.output
+    assert capsys.readouterr().out.strip() == result.output.strip()
+    assert sorted(result.stdout) == [0, 1] and result.stdout[1] == ""
+    with pytest.raises(launch.LaunchError, match="failed"):
+        launch.run("intralayer.programs.collectives", 2, args=["--no-such-option"], timeout=60, show=False)
