@@ -29,6 +29,7 @@ import os
 import runpy
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -96,10 +97,9 @@ def _rank(rank: int, world: int, folder: str, target, args, env: dict, conn, ala
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), INTRALAYER_INIT_METHOD=f"file://{folder}/store",
                       OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    # A program that calls init_process_group itself (env://) meets on rank 0's TCPStore instead.
+    # A program that calls init_process_group itself (env://) meets on rank 0's TCPStore instead, at the
+    # free port run() chose (a port derived from the folder's name collided with one in use: EADDRINUSE).
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(20000 + int.from_bytes(os.path.basename(folder).encode()[-4:], "big")
-                                             % 30000))
     torch.set_num_threads(1)
     try:
         reply = ("value", target(*args))
@@ -160,6 +160,13 @@ def _without_main():
         sys.modules["__main__"] = main
 
 
+def _free_port() -> int:
+    """A port no process listens on now, as the system hands one out (bind to port 0)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def run(target, world: int, args: tuple = (), *, deadline: float = 60.0, env: dict | None = None,
         stop_on_failure: bool = False) -> list[Outcome]:
     """Run ``target(*args)`` on ``world`` ranks; one :class:`Outcome` per rank, in rank order.
@@ -173,6 +180,7 @@ def run(target, world: int, args: tuple = (), *, deadline: float = 60.0, env: di
         raise ValueError(f"deadline={deadline!r} must be a positive, finite number of seconds")
     ctx = _context()
     folder = tempfile.mkdtemp(prefix="intralayer-ranks-")
+    env = {"MASTER_PORT": str(_free_port()), **(env or {})}   # for a program that meets by env:// itself
     outcomes = [Outcome(r) for r in range(world)]
     procs, conns = [], {}
     try:
