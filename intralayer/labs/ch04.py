@@ -17,7 +17,10 @@ consecutive tokens of q, k and v, laid out ``(b, a, s/P, d)`` (rank i: tokens i�
 
 The checks compare with dense attention in float64 (outputs, log-sum-exps and the gradients
 of q, k and v), causal or not, and follow every message: to the right neighbour only, the
-bytes of the ring, and in the forward pass which rank's block each message carried.
+bytes of the ring, and in the forward pass which rank's block each message carried, that no
+score matrix spans more than one block's keys, and that when the last block has arrived no
+rank still holds three or more other ranks' blocks (found by value among the tensors alive
+in the rank: a ring holds the block it computes on and at most the one before it).
 Collectives are refused while the learner's code runs, and so is the library's own ring
 (:mod:`intralayer.context_parallel`).
 
@@ -33,6 +36,7 @@ logic, not the projects' code.)
 """
 from __future__ import annotations
 
+import gc
 import math
 
 import torch
@@ -162,21 +166,66 @@ _SCORE_OPS = {"bmm", "mm", "baddbmm", "addmm", "matmul", "_softmax", "_log_softm
 
 class _ScoreWidths(monitor.Mode):
     """The widest key axis of any score matrix (…, s/P, w) the learner's code computed: ring attention
-    works on one block of s/P keys at a time, so w > s/P means it held several blocks' keys at once."""
+    works on one block of s/P keys at a time, so w > s/P means it held several blocks' keys at once.
 
-    def __init__(self):
+    And, once: at the first score product after the last block has arrived (every receive posted and
+    waited for), ``census()`` — which other ranks' blocks this rank's memory holds then."""
+
+    def __init__(self, arrived=None, census=None):
         super().__init__()
         self.widest, self.op = 0, ""
+        self.arrived, self.census, self.held = arrived, census, None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
+        if self.held is None and self.census and name in _PRODUCTS and self.arrived():
+            self.held = self.census()
+        out = func(*args, **(kwargs or {}))
         if name in _SCORE_OPS:
             for t in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 2 and t.shape[-2] == SL_ \
                         and t.shape[-1] > self.widest and t.shape[-1] >= 2 * SL_ and t.shape[-1] % SL_ == 0:
                     self.widest, self.op = t.shape[-1], name
         return out
+
+
+_PRODUCTS = {"bmm", "mm", "baddbmm", "addmm", "matmul"}
+
+
+def _blocks_in_memory(K, V, n: int, me: int, skip: list[torch.Tensor]) -> list[int]:
+    """The group ranks other than ``me`` whose key or value block some tensor alive in this process holds
+    (the tensor itself, or an aligned stretch of a larger buffer it views), found by value among every
+    object the garbage collector tracks. ``skip``: the check's own tensors (the whole K and V, the copies
+    the monitor keeps of what was sent)."""
+    N = B_ * A_ * SL_ * D_
+    wanted = [(r, whole[:, :, _mine(n, r)].reshape(-1)) for whole in (K, V) for r in range(n) if r != me]
+    seen = {t.untyped_storage().data_ptr() for t in skip + [block for _, block in wanted]}
+    found = set()
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor) or obj.dtype != torch.float64 or obj.layout != torch.strided:
+            continue
+        try:
+            storage = obj.untyped_storage()
+        except (RuntimeError, NotImplementedError):              # a tensor without storage of its own
+            continue
+        if storage.data_ptr() in seen or storage.nbytes() < N * 8:
+            continue
+        seen.add(storage.data_ptr())
+        flat = torch.empty(0, dtype=torch.float64).set_(storage)
+        for start in range(0, flat.numel() - N + 1, N):
+            found.update(r for r, block in wanted if torch.equal(flat[start:start + N], block))
+    return sorted(found)
+
+
+def _held_problem(held: list[int] | None, n: int) -> list[str]:
+    """Ring attention holds the block it computes on and at most the one before it (in flight or just
+    passed on); holding three or more other ranks' blocks at the last step means it kept them all."""
+    if not held or len(held) < 3:
+        return []
+    return [f"when the last block arrived this rank still held the key/value blocks of group ranks {held} "
+            f"({len(held)} of the {n - 1} it receives): ring attention keeps only the block it computes on (and "
+            "the one in flight), merges it into (out, lse) and lets it go; keeping every block costs the memory "
+            "of the whole sequence's keys and values, which ring attention exists to save"]
 
 
 def _one_block_at_a_time(widths: _ScoreWidths, n: int) -> list[str]:
@@ -238,9 +287,13 @@ def check_forward(ns, case, group) -> dict:
     Q, K, V = inputs(case, n)
     mine = _mine(n, me)
     q, k, v = (t[:, :, mine].clone() for t in (Q, K, V))
-    widths = _ScoreWidths()
-    with watch() as calls, widths:
-        got = ns.ring_attention(q, k, v, group, causal)
+    N = B_ * A_ * SL_ * D_
+    with watch() as calls:
+        arrived = lambda: (sum(c.elements for c in calls_of(calls, "recv")) >= 2 * (n - 1) * N
+                           and not monitor.FLIGHT["pending"])
+        census = lambda: _blocks_in_memory(K, V, n, me, [Q, K, V] + [c.data for c in calls_of(calls, "send")])
+        with _ScoreWidths(arrived, census) as widths:
+            got = ns.ring_attention(q, k, v, group, causal)
     out_d, lse_d = dense(Q, K, V, causal)
     problems = []
     if not (isinstance(got, tuple) and len(got) == 2):
@@ -259,7 +312,7 @@ def check_forward(ns, case, group) -> dict:
     problems += _bytes_problem(sends, 2 * (n - 1) * block, f"a ring passes every key and value block on P − 1 "
                                f"times (P = {n}): (P−1)·2·b·a·(s/P)·d·e")
     problems += kv_messages(sends, K, V, n, me)
-    problems += _one_block_at_a_time(widths, n)
+    problems += _one_block_at_a_time(widths, n) + _held_problem(widths.held, n)
     return {"problems": problems, "facts": {"n": n, "causal": causal, "sent": sum(s.bytes for s in sends)}}
 
 

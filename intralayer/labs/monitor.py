@@ -20,6 +20,7 @@ turns it back into the Python group (the same object the learner passed).
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -130,7 +131,9 @@ class _Recorder(Mode):
 _watches: list[tuple[list[Call], frozenset, str]] = []
 #: Receives posted inside the outermost watch, and those not yet waited for (chapter 07's schedule).
 FLIGHT: dict = {"posted": 0, "pending": {}}
-_waited: dict[int, object] = {}             # the requests waited on (kept alive: their ids stay theirs)
+#: The requests waited on, weakly: a request the learner still holds is found there by its id, and one it
+#: dropped is gone (a request holds its tensors: keeping it would keep every block a ring received).
+_waited: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 

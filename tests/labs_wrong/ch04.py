@@ -176,6 +176,36 @@ def ring_gather_then_dense(q, k, v, group, causal):
     return torch.softmax(z, -1) @ V, torch.logsumexp(z, -1)
 
 
+def ring_keeps_every_block(q, k, v, group, causal):
+    """Passes the blocks on in ring order and merges each as it arrives, but keeps every block it
+    received in a list: right values, right messages, the whole sequence's keys in memory."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    kept = [[k, v]]
+    for step in range(P):
+        z = _scores(q, kept[-1][0], (me - step) % P, me, causal)
+        if z is not None:
+            out, lse = _merge(out, lse, torch.softmax(z, -1) @ kept[-1][1], torch.logsumexp(z, -1))
+        if step < P - 1:
+            kept.append(_step(kept[-1], group))
+    return out, lse
+
+
+def ring_receives_all_then_merges(q, k, v, group, causal):
+    """Runs the whole ring first, into one buffer of P blocks, then merges the blocks one at a time."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    buffer = torch.empty((P, 2) + tuple(k.shape), dtype=k.dtype)
+    buffer[0, 0], buffer[0, 1] = k, v
+    for step in range(1, P):
+        buffer[step] = torch.stack(_step(list(buffer[step - 1]), group))
+    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    for step in range(P):
+        z = _scores(q, buffer[step, 0], (me - step) % P, me, causal)
+        if z is not None:
+            out, lse = _merge(out, lse, torch.softmax(z, -1) @ buffer[step, 1], torch.logsumexp(z, -1))
+    return out, lse
+
+
 def ring_process_number(q, k, v, group, causal):
     """The right ring, but it counts with the process number: its peers and block owners are wrong."""
     P, me = dist.get_world_size(group), dist.get_rank()
@@ -397,6 +427,9 @@ def test_against_own_block(ring_attention, group):
 
 WRONG = [
     ("ring_attention_check", ring_gather_then_dense, ["over 6 keys at once", "2 ranks' blocks", "one block of s/P = 3 keys at a time"]),
+    ("ring_attention_check", ring_keeps_every_block, ["still held the key/value blocks of group ranks",
+                                                      "3 of the 3 it receives", "keeps only the block it computes on"]),
+    ("ring_attention_check", ring_receives_all_then_merges, ["still held the key/value blocks of group ranks"]),
     ("ring_attention_check", ring_process_number, ["it used the global rank (the process number)"]),
     ("ring_attention_backward_check", BackwardReusingPart1, ["your ring_attention from part 1 fails its check", "overflows"]),
     ("test_ring_attention_check", test_process_number, ["fails on the correct", "it used the global rank (the process number)"]),
