@@ -526,10 +526,40 @@ class Plan:
     flops: dict
     efficiency: dict
     micro_batches: int
+    ep_hidden_behind: str = ""      # what the all-to-alls overlap with ("" when they are not overlapped)
+    comm_sms: int = 0               # the SMs charged to communication
 
     @property
     def fits(self) -> bool:
         return self.memory_bytes["total"] <= self.memory_bytes["capacity"]
+
+
+#: SMs the overlapped all-to-alls take from computation by default: DeepSeek-V3's 20 of the H800's 132
+#: (§3.2.2), the one figure published for a training run.
+EP_COMM_SMS = 20
+_DUALPIPE = "DualPipe's chunk pair: another micro-batch's forward or backward (DeepSeek-V3 §3.2.1)"
+_COMBINED = ("combined 1F1B: an adjacent micro-batch's forward or backward (Megatron-Core's "
+             "--overlap-moe-expert-parallel-comm)")
+_SHARED = "the shared experts only (Megatron-Core's --moe-shared-expert-overlap): no second micro-batch in flight"
+_NOTHING = "nothing: no shared expert and no second micro-batch in flight (the all-to-alls are exposed)"
+
+
+def ep_overlap_partner(m: Model, ep: int, pp: int, vpp: int, schedule: str, micro_batches: int) -> str:
+    """What an overlapped all-to-all can hide behind, in words ("" without expert parallelism).
+
+    Within one micro-batch the all-to-alls sit on the critical path (router → dispatch → experts →
+    combine → next layer), so only independent work hides them: DualPipe pairs one micro-batch's
+    forward chunk with another's backward; Megatron-Core's combined 1F1B does the same for adjacent
+    micro-batches, with one pipeline stage or with virtual stages (it needs them when pp > 1); with
+    neither, only the shared experts, which do not wait for the dispatch.
+    """
+    if ep == 1 or not m.is_moe:
+        return ""
+    if schedule == "dualpipe":
+        return _DUALPIPE
+    if micro_batches >= 2 and (pp == 1 or vpp > 1):
+        return _COMBINED
+    return _SHARED if m.shared_experts else _NOTHING
 
 
 def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int = 1, ep: int = 1, pp: int = 1,
@@ -537,7 +567,8 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
          global_batch: int | None = None, vpp: int = 1, efficiency: float | None = None, *, etp: int = 1,
          fused: bool = True, grad_bytes: int = 4, optimizer_bytes: int = 12, fp8: bool = False,
          tp_overlap: str = "backward", dp_overlap: bool = True, cp_method: str = "ring", dedup: bool = False,
-         node_limit: int | None = None, ep_overlap: bool = False, comm_sms: int = 0, schedule: str = "1f1b",
+         node_limit: int | None = None, ep_overlap: bool | str = False, comm_sms: int | None = None,
+         ep_imbalance: float = 1.0, schedule: str = "1f1b",
          pp_layout: str = "even", recompute_modules: tuple = (), vpp_group: int | None = None,
          attention_efficiency: float | None = None) -> Plan:
     """Memory, traffic and time per GPU for ``model`` on ``cluster`` with this layout.
@@ -550,6 +581,15 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
     the software choices of the module docstring (``attention_efficiency`` runs attention's
     products at their own fraction of peak, for what-if questions; ``vpp_group`` is ``G``,
     Megatron-Core's micro-batches per virtual stage); the defaults follow Megatron-LM.
+
+    ``ep_overlap`` hides the all-to-alls only behind work that can run while they do
+    (:func:`ep_overlap_partner`): the other micro-batch of DualPipe's forward/backward chunk pair, an
+    adjacent micro-batch under Megatron-Core's combined 1F1B (one stage, or virtual stages), and
+    otherwise only the shared experts; ``ep_overlap="auto"`` overlaps only where one of these exists
+    (as :func:`search` does). ``comm_sms`` (default: 20 when the all-to-alls are overlapped,
+    DeepSeek-V3's figure, else 0) are SMs taken from computation. ``ep_imbalance`` (≥ 1) is the
+    busiest expert-parallel rank's routed tokens over the mean: it scales the experts' time and the
+    all-to-all's (the busiest receiver finishes last).
     """
     m, c = model, cluster
     check_layout(m, c, tp, sp, cp, ep, pp, dp, micro_batch, seq_len, recompute, zero, vpp, etp, pp_layout)
@@ -564,15 +604,25 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
         raise ValueError(f"attention_efficiency must lie in (0, 1], got {attention_efficiency!r}")
     if fp8 and not c.fp8_peak:
         raise ValueError(f"{c.name} has no FP8 peak: fp8=True needs FP8 tensor cores")
-    _whole(comm_sms, "comm_sms", minimum=0)
-    if comm_sms >= c.sms:
-        raise ValueError(f"comm_sms={comm_sms} leaves none of the GPU's {c.sms} SMs for computation")
+    if isinstance(ep_imbalance, bool) or not isinstance(ep_imbalance, (int, float)) or not \
+            1 <= ep_imbalance < math.inf:
+        raise ValueError(f"ep_imbalance is the busiest rank's tokens over the mean, at least 1; got {ep_imbalance!r}")
     if global_batch is None:
         global_batch = dp * micro_batch * max(pp, 8)
     _whole(global_batch, "global_batch")
     if global_batch % (dp * micro_batch):
         raise ValueError(f"global batch {global_batch} is not a whole number of micro-batches of {micro_batch} "
                          f"on each of dp={dp} replicas")
+    if ep_overlap not in (True, False, "auto"):
+        raise ValueError(f"ep_overlap must be True, False or 'auto', got {ep_overlap!r}")
+    partner = ep_overlap_partner(m, ep, pp, vpp, schedule, global_batch // (dp * micro_batch)) if ep_overlap else ""
+    if ep_overlap == "auto" and partner == _NOTHING:
+        partner = ""
+    if comm_sms is None:
+        comm_sms = EP_COMM_SMS if partner else 0
+    _whole(comm_sms, "comm_sms", minimum=0)
+    if comm_sms >= c.sms:
+        raise ValueError(f"comm_sms={comm_sms} leaves none of the GPU's {c.sms} SMs for computation")
     mb = global_batch // (dp * micro_batch)                                              # micro-batches per replica
     if pp > 1 and mb < pp and schedule == "1f1b" and vpp == 1:
         raise ValueError(f"{mb} micro-batches per replica cannot fill pp={pp} pipeline stages")
@@ -649,8 +699,10 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
 
     def layer(moe_layer: bool) -> dict:
         eta, n = (eta_moe, n_moe) if moe_layer else (eta_dense, n_dense)
+        shared = 0.0
         if moe_layer:
-            mlp_f = 2 * N * (m.top_k * lp["expert"] + lp["shared"] + lp["router"]) / tp
+            mlp_f = 2 * N * (m.top_k * lp["expert"] * ep_imbalance + lp["shared"] + lp["router"]) / tp
+            shared = 3 * gemm_seconds(2 * N * lp["shared"] / tp, n)                  # forward and backward
         else:
             mlp_f = 2 * N * lp["mlp"] / tp
         gemm = gemm_seconds(attn_f + mlp_f, n)
@@ -659,7 +711,7 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
         again = {"none": 0.0, "selective": core, "full": fwd}[recompute]
         if recompute != "full" and "mla_up_proj" in mods:
             again += gemm_seconds(2 * N * _up_projection_params(m) / tp, n)
-        return dict(fwd=fwd, bwd=2 * fwd, again=again, core=core)
+        return dict(fwd=fwd, bwd=2 * fwd, again=again, core=core, shared=shared)
 
     head_f = 2 * N * h * m.vocab / tp
     eta_head = kernel_efficiency(c, math.sqrt(h * m.vocab / tp), efficiency)
@@ -712,8 +764,11 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
         unit = rank_tokens * h * (dispatch_e + 3 * e)          # dispatch, combine; their gradients backward
         sent = unit * (ib_copies + nv_copies)
         ib, nv = unit * ib_copies / c.inter, unit * nv_copies / c.intra
-        t_comm = max(ib, nv) if dedup else ib + nv          # node-aware kernels keep both links busy at once
-        hidden = (L["fwd"] + L["bwd"] + L["again"]) if ep_overlap else 0.0
+        t_comm = (max(ib, nv) if dedup else ib + nv) * ep_imbalance   # node-aware kernels use both links at once
+        if partner in (_DUALPIPE, _COMBINED):   # another micro-batch's forward and backward run meanwhile
+            hidden = L["fwd"] + L["bwd"] + L["again"]
+        else:
+            hidden = L["shared"] if partner else 0.0
         return sent, max(0.0, t_comm - hidden)
 
     per = {}
@@ -794,7 +849,8 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
                 ep=mb * max(sum(x for _, x, _ in stages) / pp, 0) * (per[True]["ep"][0] if m.is_moe else 0.0),
                 pp=mb * pp_bytes, dp=n_rs * rs + n_ag * ag)
     return Plan(memory, comm, crosses, time, flops["model"] / denominator, flops["hardware"] / denominator, gpus,
-                flops, dict(dense=eta_dense, moe=eta_moe if m.is_moe else None, head=eta_head), mb)
+                flops, dict(dense=eta_dense, moe=eta_moe if m.is_moe else None, head=eta_head), mb,
+                partner, comm_sms)
 
 
 # ---------------------------------------------------------------------------- search
@@ -805,11 +861,14 @@ def search(model: Model, cluster: Cluster, seq_len: int = 4096, global_batch: in
     fastest first, all doing the same work per step (``global_batch`` sequences).
 
     Degrees run over divisors: tp within a node, cp up to 16, pp up to 64; expert
-    parallelism folds into each stage's tp·cp·dp GPUs (whole experts, ``etp = 1``) with
-    its all-to-alls overlapped with other micro-batches; sequence parallelism whenever
-    tp > 1; ZeRO-1 (the distributed optimizer) always; recomputation none or full (with the
-    fused attention the planner assumes, selective recomputation keeps the same tensors);
-    2 virtual stages per GPU where the layers allow.
+    parallelism folds into each stage's tp·cp·dp GPUs, ep and the expert-tensor degree etp
+    (etp up to a node) both searched; the all-to-alls overlapped where the schedule gives them
+    something to overlap with (:func:`ep_overlap_partner`, said in each plan's
+    ``ep_hidden_behind``), with the SMs that takes (``EP_COMM_SMS``), and exposed where it gives
+    nothing; sequence parallelism
+    whenever tp > 1; ZeRO-1 (the distributed optimizer) always; recomputation none or full
+    (with the fused attention the planner assumes, selective recomputation keeps the same
+    tensors); 2 virtual stages per GPU where the layers allow.
     """
     n = cluster.gpus if gpus is None else _whole(gpus, "gpus")
     divisors = [d for d in range(1, n + 1) if n % d == 0]
@@ -821,13 +880,15 @@ def search(model: Model, cluster: Cluster, seq_len: int = 4096, global_batch: in
                 if n % (tp * cp * pp):
                     continue
                 dp = n // (tp * cp * pp)
-                for ep in ([e for e in divisors if (tp * cp * dp) % e == 0] if model.is_moe else [1]):
+                folds = [(e, t) for e in divisors for t in divisors
+                         if t <= cluster.gpus_per_node and (tp * cp * dp) % (e * t) == 0] if model.is_moe else [(1, 1)]
+                for ep, etp in folds:
                     for recompute in ("none", "full"):
-                        kw = dict(tp=tp, sp=tp > 1, cp=cp, ep=ep, pp=pp, dp=dp, micro_batch=micro_batch,
+                        kw = dict(tp=tp, sp=tp > 1, cp=cp, ep=ep, etp=etp, pp=pp, dp=dp, micro_batch=micro_batch,
                                   seq_len=seq_len, recompute=recompute, zero=1, global_batch=global_batch,
                                   vpp=2 if pp > 1 and model.layers % (2 * pp) == 0 else 1)
                         try:
-                            pl = plan(model, c, efficiency=efficiency, ep_overlap=True, **kw)
+                            pl = plan(model, c, efficiency=efficiency, ep_overlap="auto", **kw)
                         except ValueError:
                             continue
                         if pl.fits:

@@ -329,8 +329,61 @@ def test_expert_traffic_is_deduplicated_per_node():
     plain, dedup = P.plan(ds, h800, **kw), P.plan(ds, h800, dedup=True, node_limit=4, **kw)
     per_token = 8 * 56 / 64 + 8 * 7 / 64                          # assignments leaving the GPU: IB + NVLink
     assert plain.comm_bytes["ep"] / dedup.comm_bytes["ep"] == pytest.approx(per_token / (4 * 7 / 8 + 8 * 7 / 8))
-    hidden = P.plan(ds, h800, dedup=True, node_limit=4, ep_overlap=True, **kw)
-    assert plain.time["ep comm"] > dedup.time["ep comm"] > hidden.time["ep comm"] == 0
+    paired = P.plan(ds, h800, dedup=True, node_limit=4, ep_overlap=True, schedule="dualpipe", **kw)
+    assert plain.time["ep comm"] > dedup.time["ep comm"] > paired.time["ep comm"] == 0
+
+
+def test_an_overlapped_all_to_all_needs_work_to_hide_behind_and_takes_sms():
+    """Overlap hides the all-to-all only behind another micro-batch (DualPipe, combined 1F1B) or, failing
+    that, the shared experts; Mixtral has none, so there it hides nothing. The SMs are charged."""
+    ds, mixtral = P.MODELS["DeepSeek-V3"], P.MODELS["Mixtral 8x7B"]
+    h800 = P.CLUSTERS["2048× H800 (DeepSeek-V3's cluster)"]
+    kw = dict(tp=1, pp=16, ep=64, dp=128, seq_len=4096, global_batch=15360, zero=1, efficiency=0.5,
+              dedup=True, node_limit=4)
+    exposed = P.plan(ds, h800, **kw)
+    shared = P.plan(ds, h800, ep_overlap=True, **kw)                      # 1F1B without virtual stages
+    assert shared.ep_hidden_behind.startswith("the shared experts only") and shared.comm_sms == 20
+    assert 0 < shared.time["ep comm"] < exposed.time["ep comm"]
+    paired = P.plan(ds, h800, ep_overlap=True, schedule="dualpipe", **kw)
+    assert paired.ep_hidden_behind.startswith("DualPipe") and paired.time["ep comm"] == 0
+    assert paired.time["compute"] > P.plan(ds, h800, ep_overlap=True, schedule="dualpipe", comm_sms=0,
+                                           **kw).time["compute"]
+    c = dataclasses.replace(H100, gpus=64)
+    mk = dict(tp=1, ep=8, seq_len=4096, zero=1, global_batch=64)
+    alone = P.plan(mixtral, c, pp=2, dp=32, ep_overlap=True, **mk)
+    assert alone.ep_hidden_behind.startswith("nothing")
+    assert alone.time["ep comm"] == pytest.approx(P.plan(mixtral, c, pp=2, dp=32, **mk).time["ep comm"])
+    combined = P.plan(mixtral, c, pp=1, dp=64, ep_overlap=True, **dict(mk, global_batch=128))
+    assert combined.ep_hidden_behind.startswith("combined 1F1B") and combined.time["ep comm"] == 0
+    assert P.plan(mixtral, c, pp=2, dp=32, vpp=2, ep_overlap=True, **mk).ep_hidden_behind.startswith("combined")
+    auto = P.plan(mixtral, c, pp=2, dp=32, ep_overlap="auto", **mk)            # nothing to hide behind: off
+    assert auto.ep_hidden_behind == "" and auto.comm_sms == 0
+    with pytest.raises(ValueError, match="ep_overlap must be True, False or 'auto'"):
+        P.plan(mixtral, c, pp=2, dp=32, ep_overlap="always", **mk)
+
+
+def test_the_busiest_expert_rank_sets_the_pace():
+    mixtral, c = P.MODELS["Mixtral 8x7B"], dataclasses.replace(H100, gpus=64)
+    mk = dict(tp=1, ep=8, pp=1, dp=64, seq_len=4096, zero=1, global_batch=64)
+    even, skewed = P.plan(mixtral, c, **mk), P.plan(mixtral, c, ep_imbalance=1.5, **mk)
+    assert skewed.time["ep comm"] == pytest.approx(1.5 * even.time["ep comm"])
+    assert even.time["compute"] < skewed.time["compute"] < 1.5 * even.time["compute"]   # attention is not routed
+    assert skewed.comm_bytes == even.comm_bytes and skewed.mfu < even.mfu
+    for bad in (0.9, True, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="ep_imbalance is the busiest rank's tokens over the mean"):
+            P.plan(mixtral, c, ep_imbalance=bad, **mk)
+
+
+def test_search_charges_expert_parallel_communication_and_searches_etp():
+    """No layout search returns has its all-to-all charged as zero without a partner to overlap with;
+    an overlapped one says what it was hidden behind and pays its SMs; etp is searched."""
+    found = P.search(P.MODELS["Mixtral 8x7B"], H100, seq_len=4096, global_batch=256, gpus=64)
+    moe_layouts = [(kw, pl) for kw, pl in found if kw["ep"] > 1]
+    assert moe_layouts and {kw["etp"] for kw, _ in found} > {1}
+    assert any(pl.ep_hidden_behind for _, pl in moe_layouts) and not all(pl.ep_hidden_behind for _, pl in moe_layouts)
+    for kw, pl in moe_layouts:
+        assert pl.comm_sms == (P.EP_COMM_SMS if pl.ep_hidden_behind else 0), kw
+        assert pl.time["ep comm"] > 0 or pl.ep_hidden_behind.startswith(("DualPipe", "combined 1F1B")), kw
 
 
 def test_sm_share_and_fp8_change_only_what_they_touch():
@@ -458,7 +511,7 @@ def test_the_chapter_explorer_grid_answers_or_explains():
         dp = 64 // (tp * cp * pp)
         try:
             pl = P.plan(P.MODELS[name], c, tp=tp, sp=tp > 1, cp=cp, ep=ep, pp=pp, dp=dp, seq_len=8192,
-                        recompute=rc, zero=1, global_batch=max(64, dp * pp), ep_overlap=True)
+                        recompute=rc, zero=1, global_batch=max(64, dp * pp), ep_overlap="auto")
             assert pl.memory_bytes["total"] > 0 and pl.time["total"] > 0 and 0 < pl.mfu < 1
             answered += 1
         except ValueError as err:
