@@ -1043,6 +1043,15 @@ def _llama_and_deepseek() -> list[Run]:
 RECORD = tuple(_korthikanti() + _narayanan() + _megatron_core() + _llama_and_deepseek())
 
 
+def independent_of_fit(run: Run, record=RECORD) -> bool:
+    """A held-out run from another source (paper or benchmark) than every run its GPU generation's
+    curve was fitted on. Held out is not independent: a row of the fit's own table shares its
+    benchmark, its software and often its layout."""
+    paper = run.source.split()[0]
+    fitted = {r.source.split()[0] for r in record if r.role == "fit" and r.cluster.generation == run.cluster.generation}
+    return run.role == "test" and paper not in fitted
+
+
 def calibrate(generation: str, record=RECORD) -> KernelCurve:
     """The kernel curve through the two ``fit`` runs of ``generation``: both predicted exactly.
 

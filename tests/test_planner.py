@@ -531,3 +531,12 @@ def test_mesh_demo_refuses_a_grid_it_cannot_form(pool):
     from intralayer import launch
     with pytest.raises(launch.LaunchError, match="2 × 2 grid"):
         pool("intralayer.programs.mesh_demo", 2, timeout=60)
+
+
+def test_independent_rows_are_the_other_papers_held_out_runs():
+    """Held out from the fit's own paper is not independent: on Ampere only Narayanan et al.'s rows are,
+    on Hopper only DeepSeek-V3 (Llama 3's fit run shares its paper with the other two Llama rows)."""
+    independent = {r.name for r in P.RECORD if P.independent_of_fit(r)}
+    assert independent == {"Narayanan 1.7B", "Narayanan 3.6B", "Narayanan 7.5B", "Narayanan 18.4B",
+                           "DeepSeek-V3, 2,048 H800"}
+    assert not any(P.independent_of_fit(r) for r in P.RECORD if r.role in ("fit", "bracket"))
