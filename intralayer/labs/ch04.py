@@ -219,7 +219,9 @@ def _blocks_in_memory(K, V, n: int, me: int, skip: list[torch.Tensor]) -> list[i
 
 def _held_problem(held: list[int] | None, n: int) -> list[str]:
     """Ring attention holds the block it computes on and at most the one before it (in flight or just
-    passed on); holding three or more other ranks' blocks at the last step means it kept them all."""
+    passed on); holding three or more other ranks' blocks at the last step means it kept them all. So
+    only cases of 4 ranks or more can tell (on 2 or 3 ranks a ring that keeps everything holds 1 or 2);
+    the visible 4-rank case does."""
     if not held or len(held) < 3:
         return []
     return [f"when the last block arrived this rank still held the key/value blocks of group ranks {held} "
