@@ -28,14 +28,19 @@ reduce-scattering it, and ``split`` is its conjugate.
 
 Accounting: inside ``with accounting() as acc:`` each call appends a :class:`Record`
 (operation, group size, payload size *S* as nccl-tests defines it, bytes this rank
-sends, forward or backward) to ``acc.records``. For point-to-point and all-to-all the
-bytes sent are counted exactly; for all-reduce, all-gather and reduce-scatter, whose
-algorithm the backend chooses, they are the bandwidth-optimal ring's traffic:
-2(n−1)/n·S and (n−1)/n·S (nccl-tests, doc/PERFORMANCE.md).
+sends, forward or backward) to ``acc.records``. What a call moved is not this module's
+arithmetic: while an accounting is open, each call runs under the course's one recorder
+of communication (:class:`intralayer.record.Recorder`, a dispatch mode over the c10d
+operators), and its record is made from the operators the dispatcher saw — the sends of a
+ring exchange become one record. Only the call itself runs under the recorder, so the
+products between collectives never go through Python dispatch. For point-to-point and
+all-to-all the bytes sent are counted exactly (the split sizes the operator carried); for
+all-reduce, all-gather and reduce-scatter, whose algorithm the backend chooses, they are
+the bandwidth-optimal ring's traffic: 2(n−1)/n·S and (n−1)/n·S (nccl-tests,
+doc/PERFORMANCE.md).
 """
 from __future__ import annotations
 
-import math
 import numbers
 import time
 from contextlib import contextmanager
@@ -45,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from . import rules
+from .record import Call, Recorder
 
 # ---------------------------------------------------------------------------- accounting
 
@@ -110,13 +116,46 @@ def accounting():
         _open.remove(acc)
 
 
-def _record(op: str, group, elements: int, itemsize: int, sent: float, phase: str,
-            label: str, seconds: float, peers: tuple[int, ...] | None = None) -> None:
-    if _open:
-        rec = Record(op, dist.get_world_size(group), int(elements), int(itemsize), float(sent),
-                     phase, label, seconds, peers)
-        for acc in _open:
-            acc.records.append(rec)
+def _observed(issue) -> tuple[object, list[Call]]:
+    """``issue()``'s result and the c10d operators it issued (none are watched without an accounting)."""
+    if not _open:
+        return issue(), []
+    with Recorder() as seen:
+        out = issue()
+    return out, seen.calls
+
+
+def _account(calls: list[Call], phase: str, label: str, seconds: float) -> None:
+    """One record of what one call of this module issued: its collective, or its sends as one ``send``."""
+    if not _open or not calls:
+        return
+    sends = [c for c in calls if c.op == "send"]
+    first = (sends or calls)[0]
+    n = len(first.group)
+    if sends:
+        peers = [0] * n
+        for c in sends:
+            peers[c.peer] += c.bytes
+        elements, sent, peer_bytes = sum(c.elements for c in sends), float(sum(peers)), tuple(peers)
+    elif first.op == "all_to_all":
+        splits = first.splits or (first.elements // n,) * n      # rows to each group rank (even: S/n elements)
+        row = first.bytes / sum(splits) if sum(splits) else 0.0
+        me = first.group.index(dist.get_rank())
+        peer_bytes = tuple(0 if j == me else int(c * row) for j, c in enumerate(splits))
+        elements, sent = first.elements, float(sum(peer_bytes))
+    else:
+        elements, sent, peer_bytes = first.elements, bus_factor(first.op, n) * first.bytes, None
+    rec = Record(first.op, n, int(elements), int(first.itemsize), sent, phase, label, seconds, peer_bytes)
+    for acc in _open:
+        acc.records.append(rec)
+
+
+def _blocking(issue, phase: str, label: str):
+    """Run one blocking call, timed, and account for what it issued."""
+    t0 = time.perf_counter()
+    out, calls = _observed(issue)
+    _account(calls, phase, label, time.perf_counter() - t0)
+    return out
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -147,20 +186,12 @@ def _size(group) -> int:
     return dist.get_world_size(group)
 
 
-def _timed(fn):
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
 
 def raw_all_reduce(x: torch.Tensor, group, phase: str, label: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """The all-reduce alone, outside autograd, recorded in the accounting under ``phase`` and
     ``label``: for autograd functions' own backward passes and for gradient syncs."""
     out = x.contiguous().clone()
-    n = _size(group)
-    secs = _timed(lambda: dist.all_reduce(out, op=op, group=group))
-    _record("all_reduce", group, x.numel(), x.element_size(),
-            bus_factor("all_reduce", n) * x.numel() * x.element_size(), phase, label, secs)
+    _blocking(lambda: dist.all_reduce(out, op=op, group=group), phase, label)
     return out
 
 
@@ -170,9 +201,7 @@ def raw_all_gather(x: torch.Tensor, dim: int, group, phase: str, label: str) -> 
     dim = rules.check_dim(x, dim)
     src = x.movedim(dim, 0).contiguous()                            # (d, ...)
     out = torch.empty((n * src.shape[0], *src.shape[1:]), dtype=x.dtype, device=x.device)
-    secs = _timed(lambda: _gather_single(out, src, group=group))
-    _record("all_gather", group, out.numel(), x.element_size(),
-            bus_factor("all_gather", n) * out.numel() * x.element_size(), phase, label, secs)
+    _blocking(lambda: _gather_single(out, src, group=group), phase, label)
     return out.movedim(0, dim)                                      # (..., n·d, ...)
 
 
@@ -185,9 +214,7 @@ def raw_reduce_scatter(x: torch.Tensor, dim: int, group, phase: str, label: str)
                          f"by the group size {n}")
     src = x.movedim(dim, 0).contiguous()                            # (n·d, ...)
     out = torch.empty((src.shape[0] // n, *src.shape[1:]), dtype=x.dtype, device=x.device)
-    secs = _timed(lambda: _scatter_single(out, src, op=dist.ReduceOp.SUM, group=group))
-    _record("reduce_scatter", group, x.numel(), x.element_size(),
-            bus_factor("reduce_scatter", n) * x.numel() * x.element_size(), phase, label, secs)
+    _blocking(lambda: _scatter_single(out, src, op=dist.ReduceOp.SUM, group=group), phase, label)
     return out.movedim(0, dim)                                      # (..., d, ...)
 
 
@@ -195,18 +222,13 @@ def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gr
                 phase: str, label: str) -> torch.Tensor:
     src = x.contiguous()
     out = torch.empty((sum(out_splits), *x.shape[1:]), dtype=x.dtype, device=x.device)
-    secs = _timed(lambda: dist.all_to_all_single(out, src, out_splits, in_splits, group=group))
-    row = math.prod(x.shape[1:]) * x.element_size()              # bytes per row; x may have no rows
-    me = dist.get_rank(group)
-    peers = tuple(0 if j == me else c * row for j, c in enumerate(in_splits))
-    _record("all_to_all", group, x.numel(), x.element_size(), sum(peers), phase, label, secs, peers)
+    _blocking(lambda: dist.all_to_all_single(out, src, out_splits, in_splits, group=group), phase, label)
     return out
 
 
 def _exchange(src: torch.Tensor, out: torch.Tensor, dst: int, frm: int, group, phase: str,
               label: str) -> torch.Tensor:
     """Send ``src`` to group rank ``dst`` while receiving ``out`` from group rank ``frm``."""
-    n = _size(group)
     glob = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
     ops = [dist.P2POp(dist.isend, src, glob(dst), group), dist.P2POp(dist.irecv, out, glob(frm), group)]
 
@@ -214,10 +236,7 @@ def _exchange(src: torch.Tensor, out: torch.Tensor, dst: int, frm: int, group, p
         for w in dist.batch_isend_irecv(ops):
             w.wait()
 
-    secs = _timed(go)
-    nbytes = src.numel() * src.element_size()
-    peers = tuple(nbytes if j == dst else 0 for j in range(n))
-    _record("send", group, src.numel(), src.element_size(), nbytes, phase, label, secs, peers)
+    _blocking(go, phase, label)
     return out
 
 
@@ -230,14 +249,22 @@ def _ring_shift(x: torch.Tensor, shift: int, group, phase: str, label: str) -> t
 class PendingExchange:
     """Sends and receives in flight; :meth:`wait` returns the received tensors."""
 
-    def __init__(self, works, received, record):
-        self._works, self._received, self._record, self._t0 = works, received, record, time.perf_counter()
+    def __init__(self, works, received, calls: list[Call], phase: str, label: str, t0: float):
+        self._works, self._received, self._calls, self._t0 = works, received, calls, t0
+        self._phase, self._label = phase, label
 
     def wait(self) -> list[torch.Tensor]:
         for w in self._works:
             w.wait()
-        self._record(time.perf_counter() - self._t0)
+        _account(self._calls, self._phase, self._label, time.perf_counter() - self._t0)
         return self._received
+
+
+def _started(issue, received_of, phase: str, label: str) -> PendingExchange:
+    """Issue an asynchronous call now; its record carries the time from here to the end of its wait."""
+    t0 = time.perf_counter()
+    works, calls = _observed(issue)
+    return PendingExchange(works, received_of(), calls, phase, label, t0)
 
 
 def ring_exchange_start(tensors: list[torch.Tensor], shift: int = 1, group=None, label: str = "",
@@ -252,21 +279,14 @@ def ring_exchange_start(tensors: list[torch.Tensor], shift: int = 1, group=None,
     if phase not in ("forward", "backward"):
         raise ValueError(f"phase must be 'forward' or 'backward', got {phase!r}")
     if n == 1 or shift % n == 0:
-        received = [t.clone() for t in tensors]
-        return PendingExchange([], received, lambda secs: None)
+        return PendingExchange([], [t.clone() for t in tensors], [], phase, label, time.perf_counter())
     dst, frm = (me + shift) % n, (me - shift) % n
     glob = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
     sends = [t.contiguous() for t in tensors]
     received = [torch.empty_like(t) for t in sends]
     ops = [dist.P2POp(dist.isend, t, glob(dst), group) for t in sends]
     ops += [dist.P2POp(dist.irecv, t, glob(frm), group) for t in received]
-    works = dist.batch_isend_irecv(ops)
-    nbytes = sum(t.numel() * t.element_size() for t in sends)
-    elements = sum(t.numel() for t in sends)
-    itemsize = sends[0].element_size() if sends else 1
-    peers = tuple(nbytes if j == dst else 0 for j in range(n))
-    return PendingExchange(works, received, lambda secs: _record(
-        "send", group, elements, itemsize, nbytes, phase, label, secs, peers))
+    return _started(lambda: dist.batch_isend_irecv(ops), lambda: received, phase, label)
 
 
 def all_gather_start(x: torch.Tensor, dim: int = 0, group=None, label: str = "",
@@ -280,11 +300,8 @@ def all_gather_start(x: torch.Tensor, dim: int = 0, group=None, label: str = "",
     dim = rules.check_dim(x, dim)
     src = x.movedim(dim, 0).contiguous()                                           # (d, ...)
     out = torch.empty((n * src.shape[0], *src.shape[1:]), dtype=x.dtype, device=x.device)
-    work = _gather_single(out, src, group=group, async_op=True)
-    done = [out.movedim(0, dim)]
-    return PendingExchange([work], done, lambda secs: _record(
-        "all_gather", group, out.numel(), x.element_size(),
-        bus_factor("all_gather", n) * out.numel() * x.element_size(), phase, label, secs))
+    return _started(lambda: [_gather_single(out, src, group=group, async_op=True)], lambda: [out.movedim(0, dim)],
+                    phase, label)
 
 
 def reduce_scatter_start(x: torch.Tensor, dim: int = 0, group=None, label: str = "",
@@ -294,21 +311,15 @@ def reduce_scatter_start(x: torch.Tensor, dim: int = 0, group=None, label: str =
     dim = _divisible(x, dim, group, f"reduce_scatter ({label})" if label else "reduce_scatter")
     src = x.movedim(dim, 0).contiguous()                                           # (n·d, ...)
     out = torch.empty((src.shape[0] // n, *src.shape[1:]), dtype=x.dtype, device=x.device)
-    work = _scatter_single(out, src, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    done = [out.movedim(0, dim)]
-    return PendingExchange([work], done, lambda secs: _record(
-        "reduce_scatter", group, x.numel(), x.element_size(),
-        bus_factor("reduce_scatter", n) * x.numel() * x.element_size(), phase, label, secs))
+    return _started(lambda: [_scatter_single(out, src, op=dist.ReduceOp.SUM, group=group, async_op=True)],
+                    lambda: [out.movedim(0, dim)], phase, label)
 
 
 def all_reduce_start(x: torch.Tensor, group=None, label: str = "", phase: str = "forward") -> PendingExchange:
     """Start an all-reduce (sum) of a copy of ``x``; ``wait()`` gives ``[the sum]``."""
-    n = _size(group)
     out = x.contiguous().clone()
-    work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return PendingExchange([work], [out], lambda secs: _record(
-        "all_reduce", group, x.numel(), x.element_size(),
-        bus_factor("all_reduce", n) * x.numel() * x.element_size(), phase, label, secs))
+    return _started(lambda: [dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=True)],
+                    lambda: [out], phase, label)
 
 
 def sendrecv(x: torch.Tensor, dst: int, src: int, recv_shape: tuple[int, ...] | None = None,

@@ -118,7 +118,7 @@ def _rank(rank: int, world: int, folder: str, target, args, env: dict, conn, ala
 
 #: What the fork server imports once for every rank: torch, and the labs with every chapter's checks
 #: (which import the whole library). Not torch._dynamo: the labs' dispatch modes opt out of it
-#: (:class:`intralayer.labs.monitor.Mode`).
+#: (:class:`intralayer.record.Mode`).
 PRELOAD = [__name__, "intralayer.labs"]
 
 

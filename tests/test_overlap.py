@@ -406,3 +406,27 @@ def test_mlp_microbatches_rejects_bad_micro_batch_counts(micro):
     x, fc1, fc2 = randn(8, 4, seed=0), randn(8, 4, seed=1), randn(4, 8, seed=2)
     with pytest.raises(ValueError, match="micro"):
         overlap.mlp_microbatches(x, fc1, fc2, None, overlap=True, micro_batches=micro)
+
+
+def test_accounting_is_made_by_the_one_recorder_and_only_around_the_collective(solo_group):
+    """comm.accounting's records come from intralayer.record's dispatch mode (what the c10d operators
+    carried), and that mode is active only during comm's own call: a product between two collectives
+    inside an accounting does not pass through Python dispatch (chapter 07 times such products)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    from intralayer import record
+
+    x = torch.ones(6, 4)
+    with record.Recorder() as seen:                          # a raw call of torch.distributed, seen
+        dist.all_reduce(x.clone())
+    assert [(c.op, c.elements, c.itemsize, c.reduce) for c in seen.calls] == [("all_reduce", 24, 4, "SUM")]
+    modes = []
+    with comm.accounting() as acc:
+        comm.raw_all_reduce(x, None, "forward", "a")
+        modes.append(_get_current_dispatch_mode())
+        comm.ring_exchange_start([x, x[:2]], 1, None, "ring").wait()
+    assert modes == [None], "a dispatch mode stayed active between comm's calls"
+    assert [(r.op, r.elements, r.label) for r in acc.records] == [("all_reduce", 24, "a")]   # one rank: no ring
+    with record.Recorder() as outer:                         # nested: the outer recorder sees comm's call too
+        with comm.accounting() as acc:
+            comm.raw_all_gather(x, 0, None, "forward", "g")
+    assert [c.op for c in outer.calls] == ["all_gather"] and acc.records[0].elements == 24

@@ -237,6 +237,20 @@ def check_p2p(n, r):
     rec = one_record(acc, "send", "forward", n=n, elements=2 * (r + 1), sent=2 * (r + 1) * F32, label="sr")
     expect(rec.peers == tuple(2 * (r + 1) * F32 if j == (r + 1) % n else 0 for j in range(n)),
            f"sendrecv peers {rec.peers}")
+    # The asynchronous starts: a ring exchange of two tensors is one send record of both (7 elements).
+    a, b = data(r, (3,)), data(r + n, (2, 2))
+    with comm.accounting() as acc:
+        got_a, got_b = comm.ring_exchange_start([a, b], 1, label="ring").wait()
+        gathered, = comm.all_gather_start(data(r, (2, 3)), 0, label="ag").wait()
+        summed, = comm.all_reduce_start(data(r, (5,)), label="ar").wait()
+    exact(got_a, data(prev, (3,)), "ring_exchange_start")
+    exact(got_b, data(prev + n, (2, 2)), "ring_exchange_start (second tensor)")
+    exact(gathered, torch.cat([data(k, (2, 3)) for k in range(n)]), "all_gather_start")
+    exact(summed, sum(data(k, (5,)) for k in range(n)), "all_reduce_start")
+    rec = one_record(acc, "send", "forward", n=n, elements=7, sent=7 * F32, label="ring")
+    expect(rec.peers == tuple(7 * F32 if j == (r + 1) % n else 0 for j in range(n)), f"ring_exchange peers {rec.peers}")
+    one_record(acc, "all_gather", "forward", n=n, elements=6 * n, sent=(n - 1) * 6 * F32, label="ag")
+    one_record(acc, "all_reduce", "forward", n=n, elements=5, sent=2 * (n - 1) / n * 5 * F32, label="ar")
     try:
         comm.sendrecv(mine, n, 0)
     except ValueError:
