@@ -534,32 +534,54 @@ class Plan:
         return self.memory_bytes["total"] <= self.memory_bytes["capacity"]
 
 
-#: SMs the overlapped all-to-alls take from computation by default: DeepSeek-V3's 20 of the H800's 132
-#: (§3.2.2), the one figure published for a training run.
+#: SMs the overlapped all-to-alls take from computation while they run, by default: DeepSeek-V3's 20 of
+#: the H800's 132 (§3.2.2), for its own dispatch kernels. An assumption for any other stack (NCCL's
+#: all-to-all uses its own channel count).
 EP_COMM_SMS = 20
 _DUALPIPE = "DualPipe's chunk pair: another micro-batch's forward or backward (DeepSeek-V3 §3.2.1)"
 _COMBINED = ("combined 1F1B: an adjacent micro-batch's forward or backward (Megatron-Core's "
              "--overlap-moe-expert-parallel-comm)")
-_SHARED = "the shared experts only (Megatron-Core's --moe-shared-expert-overlap): no second micro-batch in flight"
+_SHARED = ("the shared experts only (Megatron-Core's --moe-shared-expert-overlap): no second micro-batch in "
+           "flight, or full recomputation, which Megatron-Core refuses with combined 1F1B")
 _NOTHING = "nothing: no shared expert and no second micro-batch in flight (the all-to-alls are exposed)"
 
 
-def ep_overlap_partner(m: Model, ep: int, pp: int, vpp: int, schedule: str, micro_batches: int) -> str:
+def ep_overlap_partner(m: Model, ep: int, pp: int, vpp: int, schedule: str, micro_batches: int,
+                       recompute: str = "none") -> str:
     """What an overlapped all-to-all can hide behind, in words ("" without expert parallelism).
 
     Within one micro-batch the all-to-alls sit on the critical path (router → dispatch → experts →
-    combine → next layer), so only independent work hides them: DualPipe pairs one micro-batch's
-    forward chunk with another's backward; Megatron-Core's combined 1F1B does the same for adjacent
-    micro-batches, with one pipeline stage or with virtual stages (it needs them when pp > 1); with
-    neither, only the shared experts, which do not wait for the dispatch.
+    combine → next layer); the planner models only the independent work that hides them:
+    DualPipe pairs one micro-batch's forward chunk with another's backward; Megatron-Core's
+    combined 1F1B does the same for adjacent micro-batches, with one pipeline stage or with
+    virtual stages (it asserts them when pp > 1) and without full recomputation (it asserts
+    that too: transformer_config.py); with neither, only the shared experts, which do not wait
+    for the dispatch. Not modelled: the weight-gradient products of the backward, which need not
+    wait for the dispatch's gradient (DeepSeek-V3 splits the backward for this; Megatron-Core's
+    --delay-wgrad-compute), and token-chunked pipelining inside one micro-batch.
     """
     if ep == 1 or not m.is_moe:
         return ""
     if schedule == "dualpipe":
         return _DUALPIPE
-    if micro_batches >= 2 and (pp == 1 or vpp > 1):
+    if micro_batches >= 2 and (pp == 1 or vpp > 1) and recompute != "full":
         return _COMBINED
     return _SHARED if m.shared_experts else _NOTHING
+
+
+def paired_fraction(partner: str, pp: int, micro_batches: int) -> float:
+    """The share of micro-batches whose all-to-alls run beside another micro-batch's work.
+
+    Only the steady state pairs a forward with a backward: Megatron-Core's combined 1F1B without a
+    pipeline runs the first forward and the last backward alone (m − 1 of m paired); with a pipeline
+    (interleaved 1F1B, or DualPipe's steps 1–3 and 6–8) the warm-up and cool-down run unpaired,
+    which the planner approximates as pp micro-batches of the m (an approximation, not a count of
+    either schedule's chunks).
+    """
+    if partner not in (_DUALPIPE, _COMBINED):
+        return 0.0
+    unpaired = 1 if pp == 1 else pp
+    return max(0.0, (micro_batches - unpaired) / micro_batches)
 
 
 def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int = 1, ep: int = 1, pp: int = 1,
@@ -587,7 +609,8 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
     adjacent micro-batch under Megatron-Core's combined 1F1B (one stage, or virtual stages), and
     otherwise only the shared experts; ``ep_overlap="auto"`` overlaps only where one of these exists
     (as :func:`search` does). ``comm_sms`` (default: 20 when the all-to-alls are overlapped,
-    DeepSeek-V3's figure, else 0) are SMs taken from computation. ``ep_imbalance`` (≥ 1) is the
+    DeepSeek-V3's figure, else 0) are SMs taken from computation while an overlapped all-to-all
+    runs; only the steady state pairs micro-batches (:func:`paired_fraction`). ``ep_imbalance`` (≥ 1) is the
     busiest expert-parallel rank's routed tokens over the mean: it scales the experts' time and the
     all-to-all's (the busiest receiver finishes last).
     """
@@ -615,7 +638,8 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
                          f"on each of dp={dp} replicas")
     if ep_overlap not in (True, False, "auto"):
         raise ValueError(f"ep_overlap must be True, False or 'auto', got {ep_overlap!r}")
-    partner = ep_overlap_partner(m, ep, pp, vpp, schedule, global_batch // (dp * micro_batch)) if ep_overlap else ""
+    partner = ep_overlap_partner(m, ep, pp, vpp, schedule, global_batch // (dp * micro_batch),
+                                 recompute) if ep_overlap else ""
     if ep_overlap == "auto" and partner == _NOTHING:
         partner = ""
     if comm_sms is None:
@@ -678,9 +702,9 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
     bw["dp"] = ring_bandwidth(c, tp, dp * cp)      # a ring over nodes: the node's NICs serve its members together
 
     # --- compute per micro-batch and layer, on one GPU
-    share = 1 - comm_sms / c.sms
-    gemm_peak = (c.fp8_peak if fp8 else c.peak) * share
-    core_peak = c.peak * share
+    share = 1 - comm_sms / c.sms                  # of the SMs, while an overlapped all-to-all runs (ep_exposed)
+    gemm_peak = c.fp8_peak if fp8 else c.peak
+    core_peak = c.peak
     causal = 0.5 if fused else 1.0                                # a fused kernel skips the masked half
     core_f = 2 * N * seq_len * m.heads * (dqk + dv) / tp * causal                       # scores + weighted sum
     n_dense = gemm_size(m, tp)
@@ -694,7 +718,7 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
         that time, at the bf16 rate): FP8 speeds up only the products."""
         if efficiency is None or isinstance(efficiency, KernelCurve):
             curve = efficiency if isinstance(efficiency, KernelCurve) else KERNEL_CURVES[c.generation]
-            return flops / (curve.eta_max * share) * (1 / (c.fp8_peak if fp8 else c.peak) + curve.n_half / n / c.peak)
+            return flops / curve.eta_max * (1 / (c.fp8_peak if fp8 else c.peak) + curve.n_half / n / c.peak)
         return flops / (gemm_peak * efficiency)
 
     def layer(moe_layer: bool) -> dict:
@@ -765,11 +789,14 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
         sent = unit * (ib_copies + nv_copies)
         ib, nv = unit * ib_copies / c.inter, unit * nv_copies / c.intra
         t_comm = (max(ib, nv) if dedup else ib + nv) * ep_imbalance   # node-aware kernels use both links at once
-        if partner in (_DUALPIPE, _COMBINED):   # another micro-batch's forward and backward run meanwhile
-            hidden = L["fwd"] + L["bwd"] + L["again"]
-        else:
-            hidden = L["shared"] if partner else 0.0
-        return sent, max(0.0, t_comm - hidden)
+        def exposed(hidden: float) -> float:
+            """While the all-to-all runs (t_comm), computation has ``share`` of the SMs: it hides the
+            transfer if it has t_comm·share of work to do then, and costs t_comm·(1 − share) either way."""
+            return t_comm - min(hidden, t_comm * share)
+
+        alone = exposed(L["shared"] if partner else 0.0)
+        paired = paired_fraction(partner, pp, mb)        # another micro-batch's forward or backward meanwhile
+        return sent, paired * exposed(L["fwd"] + L["bwd"] + L["again"]) + (1 - paired) * alone
 
     per = {}
     for kind in ([False, True] if m.is_moe else [False]):
