@@ -358,6 +358,8 @@ def _lab_case(check: Check, package: transport.Package, case: dict, outcomes: li
 
 
 def _hunt_case(check: Check, package: transport.Package, case: dict, outcomes: list[dict]):
+    if not outcomes:                        # not run: an earlier case settled the verdict (runner.run_job)
+        return ("", []), None
     impl = check.part.implementations[case["impl"]]
     test = check.part.objects[0]
     what = (impl.function.__doc__ or case["impl"]).strip().splitlines()[0].rstrip(".")
