@@ -186,7 +186,6 @@ def _size(group) -> int:
     return dist.get_world_size(group)
 
 
-
 def raw_all_reduce(x: torch.Tensor, group, phase: str, label: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """The all-reduce alone, outside autograd, recorded in the accounting under ``phase`` and
     ``label``: for autograd functions' own backward passes and for gradient syncs."""

@@ -610,9 +610,9 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
     otherwise only the shared experts; ``ep_overlap="auto"`` overlaps only where one of these exists
     (as :func:`search` does). ``comm_sms`` (default: 20 when the all-to-alls are overlapped,
     DeepSeek-V3's figure, else 0) are SMs taken from computation while an overlapped all-to-all
-    runs; only the steady state pairs micro-batches (:func:`paired_fraction`). ``ep_imbalance`` (≥ 1) is the
-    busiest expert-parallel rank's routed tokens over the mean: it scales the experts' time and the
-    all-to-all's (the busiest receiver finishes last).
+    runs; only the steady state pairs micro-batches (:func:`paired_fraction`). ``ep_imbalance``
+    (≥ 1) is the busiest expert-parallel rank's routed tokens over the mean: it scales the
+    experts' time and the all-to-all's (the busiest receiver finishes last).
     """
     m, c = model, cluster
     check_layout(m, c, tp, sp, cp, ep, pp, dp, micro_batch, seq_len, recompute, zero, vpp, etp, pp_layout)
@@ -790,8 +790,8 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
         ib, nv = unit * ib_copies / c.inter, unit * nv_copies / c.intra
         t_comm = (max(ib, nv) if dedup else ib + nv) * ep_imbalance   # node-aware kernels use both links at once
         def exposed(hidden: float) -> float:
-            """While the all-to-all runs (t_comm), computation has ``share`` of the SMs: it hides the
-            transfer if it has t_comm·share of work to do then, and costs t_comm·(1 − share) either way."""
+            """While the all-to-all runs (t_comm), computation has ``share`` of the SMs: with t_comm·share
+            of work to do meanwhile it hides the transfer but for t_comm·(1 − share); with less, the rest shows."""
             return t_comm - min(hidden, t_comm * share)
 
         alone = exposed(L["shared"] if partner else 0.0)
