@@ -232,3 +232,90 @@ def fit_alpha_beta(op: str, n: int, sizes, times) -> Fit:
     fit = Fit(op, n, max(alpha, 0.0), 1.0 / inv_bw, 0.0)
     err = float(np.max(np.abs(fit.predict(S) - t) / t))
     return Fit(op, n, fit.alpha, fit.bandwidth, err)
+
+
+# ------------------------------------------------------------------ NCCL's own cost model, at scale
+#
+# NCCL picks an algorithm for every collective from a model of its time: a latency that grows with
+# the number of steps, plus the bytes over a bandwidth (src/graph/tuning.cc, NVIDIA/nccl at commit
+# 5067397c, ``ncclTopoTuneModel`` and ``ncclTopoGetAlgoTime``). The figures below are that file's
+# defaults for the Simple protocol, the one NCCL uses for large messages, in microseconds.
+
+#: A collective's base latency (``baseLatencies``, Simple: ring and tree alike).
+NCCL_BASE_US = 8.4
+#: The latency of one step, by algorithm and link (``hwLatencies``, Simple): NVLink inside a node,
+#: the network between nodes.
+NCCL_STEP_US = {("ring", "nvlink"): 3.4, ("tree", "nvlink"): 4.0, ("ring", "net"): 14.0, ("tree", "net"): 14.0}
+#: Inside a multi-node ring every step costs at least the network overhead (``getNetOverhead``: 1 µs on
+#: Intel x86, 2 on AMD), tripled for the Simple protocol.
+NCCL_NET_OVERHEAD_US = 1.0
+#: A multi-node ring all-reduce of large messages has its latency raised 1.4× on compute capability
+#: 8.0 and later (1.9× before; the course's clusters are all 8.0 or later): the "plateau effect of ring".
+NCCL_RING_PLATEAU = 1.4
+#: The tree's bus bandwidth is 0.92 of the ring's, and a tree all-reduce moves each byte twice
+#: (algorithm bandwidth = bus bandwidth / 2), corrected by ``treeCorrectionFactor`` for messages of
+#: 64 B·2^i, i < 23 (the Simple row):
+NCCL_TREE_BW = 0.92
+NCCL_TREE_CORRECTION = (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8, .7, .7, .8, .9, .9)
+NCCL_ALGORITHMS = ("ring", "tree")
+
+
+def _log2i(n: int) -> int:
+    return int(n).bit_length() - 1
+
+
+def nccl_latency(op: str, ranks: int, nodes: int = 1, algorithm: str = "ring") -> float:
+    """Seconds of latency NCCL's tuning model charges one ``op`` on ``ranks`` GPUs over ``nodes`` nodes.
+
+    Ring: ``base + (steps − inter)·intra + inter·net`` with ``steps = 2(n−1)`` for an all-reduce
+    (``n−1`` for all-gather and reduce-scatter) of which ``2(nodes−1)`` (``nodes−1``) cross the
+    network; a multi-node ring all-reduce ×1.4 (:data:`NCCL_RING_PLATEAU`: NCCL applies it on Ampere and
+    later once each channel's share of each rank is 64 bytes or more, true of any gradient bucket). Tree (all-reduce
+    only): ``base + 2·((n/nodes − 1)·intra + ⌊log2 nodes⌋·net)`` — logarithmic in the nodes, where
+    the ring is linear.
+    """
+    if op not in ("all_reduce", "all_gather", "reduce_scatter"):
+        raise ValueError(f"NCCL's model here covers all_reduce, all_gather and reduce_scatter, not {op!r}")
+    if algorithm not in NCCL_ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {NCCL_ALGORITHMS}, got {algorithm!r}")
+    for value, what in ((ranks, "ranks"), (nodes, "nodes")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{what}={value!r} must be a whole number ≥ 1")
+    if ranks % nodes:
+        raise ValueError(f"ranks={ranks} must spread evenly over nodes={nodes} (NCCL's model takes n/nodes per node)")
+    if algorithm == "tree" and op != "all_reduce":
+        raise ValueError("NCCL's tree runs all-reduces only; all-gather and reduce-scatter use the ring")
+    if ranks == 1:
+        return 0.0
+    net = NCCL_STEP_US[(algorithm, "net")]
+    if algorithm == "tree":
+        intra = NCCL_STEP_US[("tree", "nvlink")]
+        return 1e-6 * (NCCL_BASE_US + 2 * ((ranks // nodes - 1) * intra + _log2i(nodes) * net))
+    intra = NCCL_STEP_US[("ring", "nvlink")]
+    if nodes > 1:
+        intra = max(intra, 3 * NCCL_NET_OVERHEAD_US)
+    total, inter = (2 * (ranks - 1), 2 * (nodes - 1)) if op == "all_reduce" else (ranks - 1, nodes - 1)
+    latency = NCCL_BASE_US + (total - inter) * intra + inter * net
+    if op == "all_reduce" and nodes > 1:
+        latency *= NCCL_RING_PLATEAU
+    return 1e-6 * latency
+
+
+def nccl_time(op: str, size_bytes: float, ranks: int, nodes: int, bandwidth: float,
+              algorithm: str = "auto") -> tuple[float, str]:
+    """(seconds, algorithm) of one ``op`` of S = ``size_bytes`` as NCCL's model costs it, with
+    ``bandwidth`` the ring's bus bandwidth per GPU (bytes/s); ``"auto"`` picks the faster of ring and
+    tree, as NCCL's tuner does (an all-reduce only: the others run on the ring)."""
+    if not (isinstance(size_bytes, (int, float)) and size_bytes >= 0 and bandwidth > 0):
+        raise ValueError(f"size_bytes={size_bytes!r} must be ≥ 0 and bandwidth={bandwidth!r} > 0")
+    if algorithm == "auto":
+        choices = NCCL_ALGORITHMS if op == "all_reduce" and nodes > 1 else ("ring",)
+        return min((nccl_time(op, size_bytes, ranks, nodes, bandwidth, a) for a in choices), key=lambda t: t[0])
+    if ranks == 1:
+        return 0.0, algorithm
+    latency = nccl_latency(op, ranks, nodes, algorithm)
+    if algorithm == "ring":
+        return latency + bus_factor(op, ranks) * size_bytes / bandwidth, "ring"
+    size_class = _log2i(max(1, int(size_bytes) >> 6))
+    correction = NCCL_TREE_CORRECTION[size_class] if 0 <= size_class < len(NCCL_TREE_CORRECTION) else 1.0
+    return latency + 2 * size_bytes / (NCCL_TREE_BW * bandwidth * correction), "tree"

@@ -62,11 +62,12 @@ What it leaves out is listed in chapter 08 beside the published runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
 from . import moe
-from .collectives import LINKS
+from .collectives import LINKS, nccl_time
 from .comm import bus_factor
 from .context_parallel import cp_costs, n_chunks
 from .memory import RECOMPUTE, activation_terms
@@ -241,7 +242,7 @@ class KernelCurve:
 #: marked ``fit`` (tests/test_planner.py refits them and compares).
 KERNEL_CURVES = {
     "Ampere": KernelCurve(0.8761, 4227.8, ("Korthikanti 1T", "Korthikanti 22B")),
-    "Hopper": KernelCurve(0.5631, 1707.7, ("Llama 3 405B, 8,192 GPUs, 8K", "Megatron-Core 7.1B")),
+    "Hopper": KernelCurve(0.5728, 1822.2, ("Llama 3 405B, 8,192 GPUs, 8K", "Megatron-Core 7.1B")),
 }
 
 
@@ -487,6 +488,53 @@ def ring_bandwidth(c: Cluster, stride: int, group: int) -> float:
     return min(c.intra, per_node * c.inter)
 
 
+def group_nodes(c: Cluster, stride: int, group: int) -> int:
+    """How many nodes a group of ``group`` ranks placed ``stride`` GPUs apart spans (at least one;
+    ``group`` itself when the ranks do not spread evenly, so that every step crosses the network)."""
+    per_node = max(1, min(group, c.gpus_per_node // stride))
+    nodes = math.ceil(group / per_node)
+    return nodes if group % nodes == 0 else group
+
+
+def ddp_bucket_elements(replicas: int) -> int:
+    """Megatron-LM's default gradient bucket: ``max(4·10⁷, 10⁶·d)`` elements for ``d`` data- (and
+    context-) parallel ranks (``resolve_ddp_bucket_size`` in megatron/training/training.py): larger
+    buckets at large ``d`` keep NCCL's rings bandwidth-bound rather than latency-bound."""
+    return max(40_000_000, 1_000_000 * replicas)
+
+
+def bucketed(op: str, elements: float, itemsize: int, replicas: int, nodes: int, bandwidth: float,
+             latency: bool = True) -> tuple:
+    """(seconds for all buckets, seconds of one bucket, buckets, NCCL's algorithm) for ``elements``
+    reduced or gathered in Megatron's buckets, each costed by NCCL's model (:func:`.collectives.nccl_time`).
+    ``latency=False``: the ring's bandwidth term alone, and no bucket left exposed (the planner before
+    it modelled NCCL, kept for the comparison in chapter 08)."""
+    if replicas == 1 or elements <= 0:
+        return 0.0, 0.0, 0, ""
+    buckets = max(1, math.ceil(elements / ddp_bucket_elements(replicas)))
+    if not latency:
+        return bus_factor(op, replicas) * elements * itemsize / bandwidth, 0.0, buckets, "ring"
+    each, algorithm = nccl_time(op, elements / buckets * itemsize, replicas, nodes, bandwidth)
+    return buckets * each, each, buckets, algorithm
+
+
+@functools.lru_cache(maxsize=None)
+def expected_max_normal(n: int) -> float:
+    """E[max of ``n`` independent standard normal samples], by quadrature: 0 for one, 0.56 for two,
+    about 3.9 for 10⁴ (it grows like ``√(2 ln n)``, more slowly at first)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r} must be a whole number ≥ 1")
+    if n == 1:
+        return 0.0
+    step, total = 0.002, 0.0
+    for i in range(-6000, 6001):                   # x from −12 to 12: E[max] = ∫ x · n φ(x) Φ(x)^(n−1) dx
+        x = i * step
+        phi = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+        cdf = 0.5 * math.erfc(-x / math.sqrt(2))
+        total += x * n * phi * cdf ** (n - 1) * step
+    return total
+
+
 def _stage_layers(m: Model, pp: int, layout: str) -> list[tuple[int, int, bool]]:
     """Per pipeline rank: (dense layers, MoE layers, holds the output head), layers in order.
 
@@ -528,6 +576,7 @@ class Plan:
     micro_batches: int
     ep_hidden_behind: str = ""      # what the all-to-alls overlap with ("" when they are not overlapped)
     comm_sms: int = 0               # the SMs charged to communication
+    dp_algorithm: str = ""          # NCCL's choice for the gradients' buckets: "ring" or "tree" ("" without dp)
 
     @property
     def fits(self) -> bool:
@@ -592,7 +641,7 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
          node_limit: int | None = None, ep_overlap: bool | str = False, comm_sms: int | None = None,
          ep_imbalance: float = 1.0, schedule: str = "1f1b",
          pp_layout: str = "even", recompute_modules: tuple = (), vpp_group: int | None = None,
-         attention_efficiency: float | None = None) -> Plan:
+         attention_efficiency: float | None = None, straggler_sigma: float = 0.0, dp_latency: bool = True) -> Plan:
     """Memory, traffic and time per GPU for ``model`` on ``cluster`` with this layout.
 
     A step processes ``global_batch`` sequences of ``seq_len`` tokens (default: 8
@@ -613,6 +662,17 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
     runs; only the steady state pairs micro-batches (:func:`paired_fraction`). ``ep_imbalance``
     (≥ 1) is the busiest expert-parallel rank's routed tokens over the mean: it scales the
     experts' time and the all-to-all's (the busiest receiver finishes last).
+
+    ``straggler_sigma`` is the spread (standard deviation over mean) of one GPU's compute time per
+    step: a synchronous step waits for the slowest of the ``gpus``, so the step's compute grows by
+    ``σ · E[max of gpus standard normals]`` (:func:`expected_max_normal`). It is 0 by default: no
+    published run in :data:`RECORD` reports its spread.
+
+    The data-parallel gradients (and, with ZeRO, the weights) move in Megatron-LM's buckets
+    (:func:`ddp_bucket_elements`), each costed by NCCL's model over the group's ranks and nodes
+    (:func:`.collectives.nccl_time`: its latency grows with the ring, NCCL's tree where that is faster);
+    overlapped, the last bucket of gradients and the first of weights stay exposed. ``dp_latency=False``
+    charges their bandwidth alone, nothing exposed behind enough compute (for comparison).
     """
     m, c = model, cluster
     check_layout(m, c, tp, sp, cp, ep, pp, dp, micro_batch, seq_len, recompute, zero, vpp, etp, pp_layout)
@@ -636,6 +696,9 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
     if global_batch % (dp * micro_batch):
         raise ValueError(f"global batch {global_batch} is not a whole number of micro-batches of {micro_batch} "
                          f"on each of dp={dp} replicas")
+    if isinstance(straggler_sigma, bool) or not isinstance(straggler_sigma, (int, float)) or \
+            not 0 <= straggler_sigma < 1:
+        raise ValueError(f"straggler_sigma is a spread relative to the mean step, in [0, 1); got {straggler_sigma!r}")
     if ep_overlap not in (True, False, "auto"):
         raise ValueError(f"ep_overlap must be True, False or 'auto', got {ep_overlap!r}")
     partner = ep_overlap_partner(m, ep, pp, vpp, schedule, global_batch // (dp * micro_batch),
@@ -837,14 +900,20 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
     # --- data parallelism: gradients and parameters of the fullest stage, once per step
     replicas = dp * cp
     grads_dense, grads_exp = dense_params * copies, expert_params * copies
-    if zero >= 1:
-        rs = bus_factor("reduce_scatter", replicas) * grads_dense * grad_bytes + \
-            bus_factor("reduce_scatter", edp) * grads_exp * grad_bytes
-        ag = bus_factor("all_gather", replicas) * grads_dense * e + bus_factor("all_gather", edp) * grads_exp * e
-    else:
-        rs = bus_factor("all_reduce", replicas) * grads_dense * grad_bytes + \
-            bus_factor("all_reduce", edp) * grads_exp * grad_bytes
-        ag = 0.0
+    reduce_op = "reduce_scatter" if zero >= 1 else "all_reduce"
+    rs = bus_factor(reduce_op, replicas) * grads_dense * grad_bytes + bus_factor(reduce_op, edp) * grads_exp * grad_bytes
+    ag = bus_factor("all_gather", replicas) * grads_dense * e + bus_factor("all_gather", edp) * grads_exp * e \
+        if zero >= 1 else 0.0
+    # Each in Megatron's buckets, each bucket costed by NCCL's model over the group's real size and nodes
+    # (latency included: it grows with the ring, logarithmically on a tree); the experts' gradients over
+    # their own, smaller data-parallel group (its ranks placed etp·ep apart).
+    dp_nodes, edp_nodes = group_nodes(c, tp, replicas), group_nodes(c, etp * ep, edp)
+    bw_edp = ring_bandwidth(c, etp * ep, edp)
+    reduce_parts = [bucketed(reduce_op, grads_dense, grad_bytes, replicas, dp_nodes, bw["dp"], dp_latency),
+                    bucketed(reduce_op, grads_exp, grad_bytes, edp, edp_nodes, bw_edp, dp_latency)]
+    gather_parts = [bucketed("all_gather", grads_dense, e, replicas, dp_nodes, bw["dp"], dp_latency),
+                    bucketed("all_gather", grads_exp, e, edp, edp_nodes, bw_edp, dp_latency)] if zero >= 1 else []
+    dp_algorithm = reduce_parts[0][3]
     # ZeRO-1 (Megatron's distributed optimizer) keeps a whole gradient buffer and reduces it once, in the
     # last micro-batch's backward pass. ZeRO-2 and ZeRO-3 keep only their shard of the gradients, so every
     # micro-batch reduce-scatters what its backward pass produced (Rajbhandari et al. 2020), overlapped
@@ -852,19 +921,23 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
     # backward pass; ZeRO-3 also gathers the weights for every micro-batch's forward and backward pass.
     n_rs = mb if zero >= 2 else 1
     n_ag = 2 * mb if zero >= 3 else 1
-    t_rs, t_ag = rs / bw["dp"], ag / bw["dp"]
+    t_rs, t_ag = sum(p[0] for p in reduce_parts), sum(p[0] for p in gather_parts)
+    # The last bucket is ready only when the backward pass ends, the first weights are needed when the
+    # forward pass begins: one bucket of each stays exposed however much compute there is to hide behind.
+    last_rs, first_ag = max(p[1] for p in reduce_parts), max((p[1] for p in gather_parts), default=0.0)
     if dp_overlap:
-        dp_time = (n_rs - 1) * max(0.0, t_rs - slowest["fwd"] - slowest["bwd"]) + max(0.0, t_rs - slowest["bwd"])
+        dp_time = (n_rs - 1) * max(0.0, t_rs - slowest["fwd"] - slowest["bwd"]) + max(last_rs, t_rs - slowest["bwd"])
         if zero >= 3:
-            dp_time += mb * (max(0.0, t_ag - slowest["fwd"]) + max(0.0, t_ag - slowest["bwd"]))
+            dp_time += mb * (max(first_ag, t_ag - slowest["fwd"]) + max(0.0, t_ag - slowest["bwd"]))
         else:
-            dp_time += max(0.0, t_ag - slowest["fwd"])
+            dp_time += max(first_ag, t_ag - slowest["fwd"])
     else:
         dp_time = n_rs * t_rs + n_ag * t_ag
 
     compute = mb * slowest["compute"]
     time = dict(compute=compute, bubble=bubble, **{f"{k} comm": mb * slowest[k] for k in ("tp", "cp", "ep")},
-                **{"pp comm": mb * pp_time, "dp comm": dp_time})
+                **{"pp comm": mb * pp_time, "dp comm": dp_time},
+                stragglers=straggler_sigma * expected_max_normal(gpus) * compute if straggler_sigma else 0.0)
     time["total"] = sum(time.values())
     fl = flops_per_token(m, seq_len, recompute, mods)
     tokens = global_batch * seq_len
@@ -877,7 +950,7 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
                 pp=mb * pp_bytes, dp=n_rs * rs + n_ag * ag)
     return Plan(memory, comm, crosses, time, flops["model"] / denominator, flops["hardware"] / denominator, gpus,
                 flops, dict(dense=eta_dense, moe=eta_moe if m.is_moe else None, head=eta_head), mb,
-                partner, comm_sms)
+                partner, comm_sms, dp_algorithm)
 
 
 # ---------------------------------------------------------------------------- search
