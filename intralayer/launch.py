@@ -20,6 +20,7 @@ import json
 import math
 import os
 import re
+import runpy
 import shutil
 import signal
 import subprocess
@@ -85,9 +86,7 @@ def run(module: str, nproc: int, args: tuple | list = (), timeout: float = 120.0
     """
     _check(module, nproc, timeout)
     if os.environ.get(POOL_ENV) == "1":
-        from . import ranks
-
-        result = ranks.launch(module, nproc, args, timeout, env)
+        result = _in_pool(module, nproc, args, timeout, env)
     else:
         result = _torchrun(module, nproc, args, timeout, env)
     if show and result.output:
@@ -269,3 +268,43 @@ def _agent(report: str, argv: list[str]) -> None:
 
 if __name__ == "__main__":
     _agent(sys.argv[1], sys.argv[2:])
+
+
+# ---------------------------------------------------------------------------- on the pool's ranks
+
+def run_module(module: str, argv: list[str]) -> int:
+    """``python -m module argv…`` inside a rank of :mod:`intralayer.ranks`; its exit code (``SystemExit``
+    as the interpreter reads it)."""
+    sys.argv = [module, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    return 0
+
+
+def _in_pool(module: str, nproc: int, args=(), timeout: float = 120.0, env: dict | None = None) -> LaunchResult:
+    """:func:`run`'s contract on warm pool ranks (:data:`POOL_ENV`, set by the tests): a ``LaunchResult``,
+    or ``LaunchError`` naming each failed rank with the tail of its stderr. torchrun is tested where it
+    is the subject (test_launch, test_faults, the chapters)."""
+    from . import ranks
+
+    env = {TIMEOUT_ENV: str(max(5.0, 0.8 * timeout)), **(env or {})}
+    start = time.monotonic()
+    outcomes = ranks.run(run_module, nproc, (module, [str(a) for a in args]), deadline=timeout, env=env,
+                         stop_on_failure=True)
+    result = LaunchResult(module, nproc, time.monotonic() - start, {o.rank: o.stdout for o in outcomes},
+                          {o.rank: o.stderr for o in outcomes})
+    bad = [o for o in outcomes if not (o.ok and o.value == 0)]
+    if bad:
+        late = any(o.exitcode is None for o in outcomes)
+        codes = {o.rank: o.value if o.error is None and o.exitcode == 0 else o.exitcode for o in outcomes}
+        head = (f"{module} on {nproc} pool ranks did not finish within {timeout:g} s" if late
+                else f"{module} on {nproc} pool ranks failed: exit codes {codes}")
+        tails = [f"rank {o.rank}'s last lines of stderr:\n" + "\n".join(o.stderr.rstrip().splitlines()[-25:])
+                 for o in outcomes if o.stderr.strip()]
+        raise LaunchError("\n".join([head, *tails]))
+    return result

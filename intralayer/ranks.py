@@ -2,7 +2,7 @@
 
 ``run(target, world, args)`` calls ``target(*args)`` on ``world`` gloo ranks and returns
 one :class:`Outcome` per rank. Everything in it is the standard library's or torch's
-(psutil only for :func:`alive`):
+:
 
 - the ranks are :mod:`multiprocessing` processes of the ``forkserver`` start method with
   this module preloaded, so the fork server imports torch once (a first check takes about
@@ -26,7 +26,6 @@ import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
-import runpy
 import shutil
 import signal
 import socket
@@ -258,55 +257,3 @@ def stop(procs) -> None:
         if p.is_alive():
             p.kill()
             p.join()
-
-
-def alive() -> list:
-    """The ranks of this process's pool still running (the fork server's children): none between jobs."""
-    import multiprocessing.forkserver
-
-    import psutil
-
-    pid = multiprocessing.forkserver._forkserver._forkserver_pid
-    try:
-        return psutil.Process(pid).children(recursive=True) if pid else []
-    except psutil.NoSuchProcess:
-        return []
-
-
-# ---------------------------------------------------------------------------- programs as modules
-
-def run_module(module: str, argv: list[str]) -> int:
-    """``python -m module argv…`` inside a rank; its exit code (``SystemExit`` as the interpreter reads it)."""
-    sys.argv = [module, *argv]
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            return exc.code or 0
-        print(exc.code, file=sys.stderr)
-        return 1
-    return 0
-
-
-def launch(module: str, nproc: int, args=(), timeout: float = 120.0, env: dict | None = None):
-    """``intralayer.launch.run``'s contract on pool ranks: a ``LaunchResult``, or ``LaunchError``
-    naming each failed rank with the tail of its stderr. For the tests: torchrun is tested where it
-    is the subject (test_launch, test_faults, the chapters)."""
-    from . import distributed, launch as launcher
-
-    env = {distributed.TIMEOUT_ENV: str(max(5.0, 0.8 * timeout)), **(env or {})}
-    start = time.monotonic()
-    outcomes = run(run_module, nproc, (module, [str(a) for a in args]), deadline=timeout, env=env,
-                   stop_on_failure=True)
-    result = launcher.LaunchResult(module, nproc, time.monotonic() - start, {o.rank: o.stdout for o in outcomes},
-                                   {o.rank: o.stderr for o in outcomes})
-    bad = [o for o in outcomes if not (o.ok and o.value == 0)]
-    if bad:
-        late = any(o.exitcode is None for o in outcomes)
-        codes = {o.rank: o.value if o.error is None and o.exitcode == 0 else o.exitcode for o in outcomes}
-        head = (f"{module} on {nproc} pool ranks did not finish within {timeout:g} s" if late
-                else f"{module} on {nproc} pool ranks failed: exit codes {codes}")
-        tails = [f"rank {o.rank}'s last lines of stderr:\n" + "\n".join(o.stderr.rstrip().splitlines()[-25:])
-                 for o in outcomes if o.stderr.strip()]
-        raise launcher.LaunchError("\n".join([head, *tails]))
-    return result

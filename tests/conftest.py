@@ -45,7 +45,7 @@ def pytest_runtest_setup(item):
 def pool():
     """Run ``python -m module`` on N ranks of this worker's warm pool (:mod:`intralayer.ranks`):
     ``launch.run``'s contract without torchrun's cost (torch is imported once, by the fork server)."""
-    return ranks.launch
+    return launch._in_pool
 
 
 @pytest.fixture

@@ -27,6 +27,7 @@ import pytest
 
 from intralayer import labs, ranks
 from intralayer.collectives import ring_all_reduce as library_ring
+from tests import orphans
 import cloudpickle
 
 from intralayer.labs import parts, transport
@@ -173,7 +174,7 @@ def test_checks_share_one_fork_server_and_a_dead_one_is_replaced():
     third = labs.run_many([labs.Check("ring_all_reduce", fn).on(ranks=3)])[0]
     assert isinstance(third, labs.Report), third
     assert multiprocessing.forkserver._forkserver._forkserver_pid != server
-    assert not ranks.alive()
+    assert not orphans.alive()
 
 
 def test_what_the_ranks_print_is_shown_under_the_verdict_pass_or_fail():
@@ -213,7 +214,7 @@ def test_a_deadlock_ends_at_the_group_timeout_naming_the_line():
     assert isinstance(result, labs.LabFailure), result
     text = str(result)
     assert "timed out waiting at line 4 of ring_all_reduce" in text and "deadlock" in text, text
-    assert not ranks.alive()
+    assert not orphans.alive()
 
 
 def test_an_endless_loop_is_stopped_at_the_deadline_naming_the_line():
@@ -228,7 +229,7 @@ def test_an_endless_loop_is_stopped_at_the_deadline_naming_the_line():
     assert isinstance(result, labs.LabFailure), result
     text = str(result)
     assert "did not finish" in text and "after 6 s" in text and "at line 3 of ring_all_reduce: `x = x + 0`" in text, text
-    assert not ranks.alive(), "processes outlived the check"
+    assert not orphans.alive(), "processes outlived the check"
 
 
 def test_a_rank_that_dies_is_reported():
@@ -240,7 +241,7 @@ def test_a_rank_that_dies_is_reported():
     [result] = labs.run_many([labs.Check("ring_all_reduce", fn).on(ranks=2)], deadline=40.0, group_timeout=2.0)
     assert isinstance(result, labs.LabFailure), result
     assert "process 2 exited with code 3" in str(result) and "lost their peer" in str(result), str(result)
-    assert not ranks.alive()
+    assert not orphans.alive()
 
 
 # ---------------------------------------------------------------------------- the notebook side

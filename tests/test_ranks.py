@@ -10,6 +10,7 @@ import psutil
 import pytest
 
 from intralayer import launch, ranks
+from tests import orphans
 from tests.programs.misbehave import FAILURE_TEXT
 
 MISBEHAVE = "tests.programs.misbehave"
@@ -20,7 +21,7 @@ def test_a_program_runs_on_three_pool_ranks_with_torchruns_environment(pool):
     assert result.output.strip() == "3 ranks, gloo: the all-reduce of the rank numbers 0 … 2 left 3 on every rank: correct"
     assert sorted(result.stdout) == [0, 1, 2] and result.stdout[1] == result.stdout[2] == ""
     assert result.nproc == 3 and result.seconds > 0
-    assert not ranks.alive()
+    assert not orphans.alive()
 
 
 def test_the_fork_server_has_one_thread_and_a_warm_job_is_fast(pool):
@@ -34,7 +35,7 @@ def test_the_fork_server_has_one_thread_and_a_warm_job_is_fast(pool):
 
 
 def test_outcomes_are_typed_values_and_errors():
-    outcomes = ranks.run(ranks.run_module, 2, ("tests.programs.misbehave", ["raise"]), deadline=60, stop_on_failure=True)
+    outcomes = ranks.run(launch.run_module, 2, ("tests.programs.misbehave", ["raise"]), deadline=60, stop_on_failure=True)
     assert [o.rank for o in outcomes] == [0, 1]
     failed = outcomes[1]
     assert failed.error["type"] == "RuntimeError" and FAILURE_TEXT in failed.error["message"]
@@ -48,7 +49,7 @@ def test_a_rank_that_raises_fails_the_run_with_its_traceback_and_the_others_are_
     text = str(info.value)
     assert "failed" in text and "rank 1's last lines of stderr" in text and FAILURE_TEXT in text, text
     assert "1: 1" in text, text
-    assert not ranks.alive()
+    assert not orphans.alive()
 
 
 def test_a_hanging_job_is_stopped_at_the_deadline(pool):
@@ -56,12 +57,12 @@ def test_a_hanging_job_is_stopped_at_the_deadline(pool):
     with pytest.raises(launch.LaunchError, match="did not finish within 6 s"):
         pool(MISBEHAVE, 2, args=["hang"], timeout=6)
     assert 6 <= time.monotonic() - start < 6 + 2 * ranks.GRACE_S + 5
-    assert not ranks.alive()
+    assert not orphans.alive()
 
 
 @pytest.mark.parametrize("call, words", [
-    (lambda: ranks.run(ranks.run_module, 0, ("x", [])), "world=0 must be a whole number of ranks ≥ 1"),
-    (lambda: ranks.run(ranks.run_module, 2, ("x", []), deadline=0), "deadline=0 must be a positive"),
+    (lambda: ranks.run(launch.run_module, 0, ("x", [])), "world=0 must be a whole number of ranks ≥ 1"),
+    (lambda: ranks.run(launch.run_module, 2, ("x", []), deadline=0), "deadline=0 must be a positive"),
 ])
 def test_bad_input_names_the_rule(call, words):
     with pytest.raises(ValueError, match=words):

@@ -32,31 +32,7 @@ per case with what was measured, and under either what the learner's code printe
 The parts are registered by the chapter modules ``chNN`` of this package (:mod:`.parts`
 explains how); the rank-side recording of every send and collective is :mod:`.monitor`.
 
-Adding the lab of chapter NN
-----------------------------
-1. ``intralayer/labs/chNN.py`` (found by its name, no list to edit). For each lab part,
-   a rank-side check decorated ``@lab("name", ("the_learner's_function",), params=…,
-   forbid_ops=…, forbid_modules=…, why=…, summary=…)``: it builds every rank's inputs
-   from the case's seed (all ranks can compute the reference), calls the learner's code
-   inside ``with watch() as calls:`` (:mod:`.monitor`), compares with the dense
-   reference forward and backward (:func:`.parts.differ`, float64 with a derived
-   tolerance, or exact on whole numbers) and returns ``{"problems": [sentences],
-   "facts": {…}}``: every problem a sentence that names the tensor, the chunk, the
-   factor. For the bug hunt, an :class:`.parts.Implementation` per version — the
-   reported bug first (its ``source`` names the report), the correct one, a second
-   buggy variant — registered with :func:`.parts.hunt`, and a ``hint``.
-2. ``solutions/labs/NN_name.ipynb`` (same name as the chapter): an intro, then per part a
-   markdown cell, a solution cell (nbgrader ``solution``, the body between ``### BEGIN
-   SOLUTION``/``### END SOLUTION``) and a check cell (nbgrader ``grade``, locked, with
-   points) that ends ``check.run()`` after its hidden cases; ``labs.show("hunt")`` above
-   the bug hunt. Visible cases on 2 and 4 ranks; hidden ones on 3 (group ranks differ
-   from process numbers there) and the hunt's second variant. Execute it in place, then
-   ``make exercises`` (or the one-notebook command in book/instructors.md).
-3. ``tests/labs_wrong/chNN.py``: plausible wrong answers, each with the words its
-   rejection must contain, at least one per check cell (tests/test_labs.py runs them
-   with the cells' own cases). Then ``pytest -n 0 tests/test_labs.py -k chNN``,
-   ``pytest -n 0 tests/test_exercises.py -k NN`` and nbval on the lab.
-4. One line in the chapter's summary cell and a row in book/instructors.md.
+How to add a chapter's lab: book/instructors.md, "Writing the lab of a new chapter".
 """
 from .check import Check, LabFailure, Report, progress, run_many, show
 from .parts import every, get
