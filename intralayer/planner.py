@@ -716,8 +716,9 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
     group = pp if vpp_group is None else _whole(vpp_group, "vpp_group")
     if vpp_group is not None and vpp == 1:
         raise ValueError(f"vpp_group={vpp_group} groups micro-batches per virtual stage: it needs vpp > 1")
-    if schedule == "dualpipe" and mb % 2:
-        raise ValueError(f"DualPipe feeds micro-batches from both ends: {mb} per replica is odd")
+    if schedule == "dualpipe" and (mb % 2 or mb < 2 * pp):
+        raise ValueError(f"DualPipe feeds micro-batches from both ends, an even number and at least 2·pp = {2 * pp} "
+                         f"(DeepSeek's dualpipe.py asserts both): {mb} per replica")
     gpus = tp * cp * pp * dp
     edp = tp * cp * dp // (etp * ep)                                                     # expert data parallelism
     h, e = m.hidden, 2

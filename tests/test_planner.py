@@ -72,6 +72,8 @@ def test_models_and_clusters_are_frozen_and_replaceable():
     (dict(pp_layout="odd"), "pp_layout must be one of"),
     (dict(fp8=True), "has no FP8 peak"),
     (dict(pp=4, vpp=2, schedule="dualpipe", global_batch=1024), "DualPipe needs an even number of stages"),
+    (dict(pp=4, schedule="dualpipe", global_batch=6), "at least 2·pp = 8"),
+    (dict(pp=4, schedule="dualpipe", global_batch=9), "an even number"),
     (dict(grad_bytes=3), "grad_bytes must be 2"),
     (dict(recompute_modules=("mla_up_proj",)), "needs multi-head latent attention"),
     (dict(recompute_modules=("attn",)), "recompute_modules must be among"),
