@@ -2,6 +2,9 @@
 
 Every formula is one the earlier chapters built or measured, extended where a real
 training system needs it, and held against published training runs (:data:`RECORD`).
+It is built from pieces, each a function of one checked :class:`Layout`: :func:`stage_memory`,
+:func:`layer_time`, :func:`tp_cost`, :func:`cp_cost`, :func:`ep_cost`, :func:`pipeline_cost` and
+:func:`dp_cost`; :func:`plan` makes the Layout and :func:`plan_of` adds the pieces up.
 
 - **FLOPs** as Narayanan et al. 2021 count them (eq. 3 and its appendix): per token, 6 per
   multiply-add parameter of the layers' and the output head's matrix products, plus
@@ -633,6 +636,391 @@ def paired_fraction(partner: str, pp: int, micro_batches: int) -> float:
     return max(0.0, (micro_batches - unpaired) / micro_batches)
 
 
+@dataclass(frozen=True)
+class Layout:
+    """A layout of ``model`` on ``cluster``, with every option of :func:`plan`, checked when it is made
+    (each broken rule a ``ValueError`` naming it), and what follows from it. The planner's pieces
+    (:func:`stage_memory`, :func:`layer_time`, :func:`tp_cost`, :func:`cp_cost`, :func:`ep_cost`,
+    :func:`pipeline_cost`, :func:`dp_cost`) each take one; :func:`plan` adds them up."""
+
+    model: Model
+    cluster: Cluster
+    tp: int = 1
+    sp: bool = False
+    cp: int = 1
+    ep: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch: int = 1
+    seq_len: int = 2048
+    recompute: str = "none"
+    zero: int = 0
+    global_batch: int | None = None
+    vpp: int = 1
+    efficiency: "float | KernelCurve | None" = None
+    etp: int = 1
+    fused: bool = True
+    grad_bytes: int = 4
+    optimizer_bytes: int = 12
+    fp8: bool = False
+    tp_overlap: str = "backward"
+    dp_overlap: bool = True
+    cp_method: str = "ring"
+    dedup: bool = False
+    node_limit: int | None = None
+    ep_overlap: bool | str = False
+    comm_sms: int | None = None
+    ep_imbalance: float = 1.0
+    schedule: str = "1f1b"
+    pp_layout: str = "even"
+    recompute_modules: tuple = ()
+    vpp_group: int | None = None
+    attention_efficiency: float | None = None
+    straggler_sigma: float = 0.0
+    dp_latency: bool = True
+
+    def __post_init__(self):
+        m, c, pp, vpp, dp, mbs = self.model, self.cluster, self.pp, self.vpp, self.dp, self.micro_batch
+        check_layout(m, c, self.tp, self.sp, self.cp, self.ep, pp, dp, mbs, self.seq_len, self.recompute, self.zero,
+                     vpp, self.etp, self.pp_layout)
+        for value, allowed, what in ((self.schedule, SCHEDULES, "schedule"), (self.tp_overlap, TP_OVERLAP, "tp_overlap"),
+                                     (self.cp_method, CP_METHODS, "cp_method")):
+            if value not in allowed:
+                raise ValueError(f"{what} must be one of {allowed}, got {value!r}")
+        if self.schedule == "dualpipe" and (pp % 2 or vpp > 1):
+            raise ValueError(f"DualPipe needs an even number of stages and no virtual stages (pp={pp}, vpp={vpp})")
+        a = self.attention_efficiency
+        if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 < a <= 1):
+            raise ValueError(f"attention_efficiency must lie in (0, 1], got {a!r}")
+        if self.fp8 and not c.fp8_peak:
+            raise ValueError(f"{c.name} has no FP8 peak: fp8=True needs FP8 tensor cores")
+        imb = self.ep_imbalance
+        if isinstance(imb, bool) or not isinstance(imb, (int, float)) or not 1 <= imb < math.inf:
+            raise ValueError(f"ep_imbalance is the busiest rank's tokens over the mean, at least 1; got {imb!r}")
+        if self.global_batch is None:
+            object.__setattr__(self, "global_batch", dp * mbs * max(pp, 8))
+        _whole(self.global_batch, "global_batch")
+        if self.global_batch % (dp * mbs):
+            raise ValueError(f"global batch {self.global_batch} is not a whole number of micro-batches of {mbs} "
+                             f"on each of dp={dp} replicas")
+        s = self.straggler_sigma
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s < 1:
+            raise ValueError(f"straggler_sigma is a spread relative to the mean step, in [0, 1); got {s!r}")
+        if self.ep_overlap not in (True, False, "auto"):
+            raise ValueError(f"ep_overlap must be True, False or 'auto', got {self.ep_overlap!r}")
+        mb = self.micro_batches
+        partner = ep_overlap_partner(m, self.ep, pp, vpp, self.schedule, mb, self.recompute) if self.ep_overlap else ""
+        if self.ep_overlap == "auto" and partner == _NOTHING:
+            partner = ""
+        object.__setattr__(self, "partner", partner)
+        if self.comm_sms is None:
+            object.__setattr__(self, "comm_sms", EP_COMM_SMS if partner else 0)
+        _whole(self.comm_sms, "comm_sms", minimum=0)
+        if self.comm_sms >= c.sms:
+            raise ValueError(f"comm_sms={self.comm_sms} leaves none of the GPU's {c.sms} SMs for computation")
+        if pp > 1 and mb < pp and self.schedule == "1f1b" and vpp == 1:
+            raise ValueError(f"{mb} micro-batches per replica cannot fill pp={pp} pipeline stages")
+        if self.vpp_group is not None:
+            _whole(self.vpp_group, "vpp_group")
+            if vpp == 1:
+                raise ValueError(f"vpp_group={self.vpp_group} groups micro-batches per virtual stage: it needs vpp > 1")
+        if self.schedule == "dualpipe" and (mb % 2 or mb < 2 * pp):
+            raise ValueError(f"DualPipe feeds micro-batches from both ends, an even number and at least 2·pp = "
+                             f"{2 * pp} (DeepSeek's dualpipe.py asserts both): {mb} per replica")
+        object.__setattr__(self, "modules", _check_modules(m, self.recompute_modules))
+
+    @property
+    def micro_batches(self) -> int:
+        """``m``, the micro-batches each replica runs per step."""
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def edp(self) -> int:
+        """The experts' data-parallel degree: what of ``tp·cp·dp`` expert-tensor × expert parallelism leaves."""
+        return self.tp * self.cp * self.dp // (self.etp * self.ep)
+
+    @property
+    def tokens(self) -> int:
+        """``N``: the tokens of one micro-batch a GPU holds (its ``s/cp`` of each sequence)."""
+        return self.seq_len // self.cp * self.micro_batch
+
+    @property
+    def stages(self) -> list[tuple[int, int, bool]]:
+        return _stage_layers(self.model, self.pp, self.pp_layout)
+
+    @property
+    def copies(self) -> int:
+        """Model chunks per GPU whose weights it holds: 2 under DualPipe (both ends of the pipeline), else 1."""
+        return 2 if self.schedule == "dualpipe" else 1
+
+    @property
+    def crosses_nodes(self) -> dict:
+        """Which groups leave the fast domain (Megatron's order: tp, cp, [ep inside tp·cp·dp], dp, pp)."""
+        g, tp, cp, dp = self.cluster.gpus_per_node, self.tp, self.cp, self.dp
+        return dict(tp=tp > g, cp=cp > 1 and tp * cp > g, ep=self.ep > 1 and self.etp * self.ep > g,
+                    dp=dp * cp > 1 and tp * cp * dp > g, pp=self.pp > 1 and tp * cp * dp * self.pp > g)
+
+    def bandwidth(self, group: str) -> float:
+        """Bytes/s per GPU for ``group``'s traffic: NVLink or the network, and for data parallelism a ring over
+        nodes whose NICs serve the node's members together (:func:`ring_bandwidth`)."""
+        if group == "dp":
+            return ring_bandwidth(self.cluster, self.tp, self.dp * self.cp)
+        return self.cluster.inter if self.crosses_nodes[group] else self.cluster.intra
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One strategy's communication per GPU: bytes sent, and seconds not hidden behind computation."""
+
+    sent: float
+    exposed: float
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    """One layer's compute for one micro-batch on one GPU, in seconds: ``fwd``, ``bwd`` (2·fwd), what
+    recomputation repeats (``again``), attention's core products (``core``) and the shared experts'
+    forward and backward (``shared``, what can run beside an un-paired all-to-all)."""
+
+    fwd: float
+    bwd: float
+    again: float
+    core: float
+    shared: float
+
+    @property
+    def total(self) -> float:
+        return self.fwd + self.bwd + self.again
+
+
+def stage_params(lay: Layout) -> tuple[float, float]:
+    """(dense, expert) parameters per GPU of the first stage (or, at ``pp = 1``, all, with both tables)."""
+    m, tp = lay.model, lay.tp
+    lp = layer_params(m)
+    first_dense, first_moe, _ = lay.stages[0]
+    tables = 2 if lay.pp == 1 else 1
+    dense = ((first_dense + first_moe) * lp["attention"] + first_dense * lp["mlp"]
+             + first_moe * (lp.get("shared", 0))) / tp + tables * m.vocab * m.hidden / tp \
+        + (first_dense + first_moe) * lp["norms"] + first_moe * lp.get("router", 0)
+    return dense, first_moe * lp.get("experts", 0) / (lay.etp * lay.ep)
+
+
+def stage_memory(lay: Layout) -> dict:
+    """Bytes per GPU of the first stage (the embedding, the most activations in flight) by component:
+    Megatron-LM's model states, Korthikanti et al.'s activations times the micro-batches in flight."""
+    m, pp, vpp, mb, N = lay.model, lay.pp, lay.vpp, lay.micro_batches, lay.tokens
+    dense_params, expert_params = stage_params(lay)
+    dense_state = model_state_bytes(lay.copies * dense_params, lay.dp * lay.cp, lay.zero, lay.grad_bytes,
+                                    lay.optimizer_bytes)
+    expert_state = model_state_bytes(lay.copies * expert_params, lay.edp, lay.zero, lay.grad_bytes,
+                                     lay.optimizer_bytes)
+    memory = {k: dense_state[k] + expert_state[k] for k in dense_state}
+    s_loc = lay.seq_len // lay.cp
+    per = [layer_activation_bytes(m, s_loc, lay.micro_batch, lay.tp, lay.sp, lay.recompute, moe_layer, lay.fused,
+                                  lay.fp8, lay.modules) if (m.is_moe or not moe_layer) else 0.0
+           for moe_layer in (False, True)]
+    first_dense, first_moe, _ = lay.stages[0]
+    stage_acts = first_dense * per[0] + first_moe * per[1]
+    if lay.schedule == "dualpipe":
+        in_flight = (pp + 1) * lay.copies / 2      # DeepSeek-V3 Table 2: PP + 1 micro-batches of a chunk (1F1B: PP)
+    elif vpp > 1:                         # Megatron-LM's interleaved warm-up on the first rank, in model chunks
+        group = pp if lay.vpp_group is None else lay.vpp_group
+        in_flight = min(mb * vpp, 2 * (pp - 1) + (vpp - 1) * group + 1) / vpp
+    else:
+        in_flight = min(pp, mb)
+    activations = stage_acts * in_flight
+    if pp == 1:                                                                           # logits (fp32) and their input
+        activations += 4 * N * (m.hidden + m.vocab) / lay.tp
+    memory["activations"] = activations
+    memory["total"] = sum(memory.values())
+    memory["capacity"] = lay.cluster.memory
+    return memory
+
+
+def gemm_seconds(lay: Layout, flops: float, n: float) -> float:
+    """Matrix products at η_max of their peak, and the rest of the layer's kernels (n_half/n of that time, at
+    the bf16 rate): FP8 speeds up only the products. A fixed ``efficiency`` runs everything at it."""
+    c, eff = lay.cluster, lay.efficiency
+    if eff is None or isinstance(eff, KernelCurve):
+        curve = eff if isinstance(eff, KernelCurve) else KERNEL_CURVES[c.generation]
+        return flops / curve.eta_max * (1 / (c.fp8_peak if lay.fp8 else c.peak) + curve.n_half / n / c.peak)
+    return flops / ((c.fp8_peak if lay.fp8 else c.peak) * eff)
+
+
+def layer_size(lay: Layout, moe_layer: bool) -> float:
+    """The matrix size the kernel curve reads for a layer (:func:`gemm_size`)."""
+    m = lay.model
+    return gemm_size(m, lay.tp, lay.etp, True) if (moe_layer and m.is_moe) else gemm_size(m, lay.tp)
+
+
+def layer_time(lay: Layout, moe_layer: bool = False) -> LayerTime:
+    """One layer's compute per micro-batch on one GPU (an MoE layer: its ``k`` routed experts, scaled by
+    ``ep_imbalance``, its shared experts and router)."""
+    m, N, tp = lay.model, lay.tokens, lay.tp
+    lp = layer_params(m)
+    dqk, dv = m.head_dims
+    n = layer_size(lay, moe_layer)
+    eta = kernel_efficiency(lay.cluster, n, lay.efficiency)
+    causal = 0.5 if lay.fused else 1.0                            # a fused kernel skips the masked half
+    core_f = 2 * N * lay.seq_len * m.heads * (dqk + dv) / tp * causal                   # scores + weighted sum
+    shared = 0.0
+    if moe_layer:
+        mlp_f = 2 * N * (m.top_k * lp["expert"] * lay.ep_imbalance + lp["shared"] + lp["router"]) / tp
+        shared = 3 * gemm_seconds(lay, 2 * N * lp["shared"] / tp, n)                  # forward and backward
+    else:
+        mlp_f = 2 * N * lp["mlp"] / tp
+    gemm = gemm_seconds(lay, 2 * N * lp["attention"] / tp + mlp_f, n)
+    core = core_f / (lay.cluster.peak * (eta if lay.attention_efficiency is None else lay.attention_efficiency))
+    fwd = gemm + core
+    again = {"none": 0.0, "selective": core, "full": fwd}[lay.recompute]
+    if lay.recompute != "full" and "mla_up_proj" in lay.modules:
+        again += gemm_seconds(lay, 2 * N * _up_projection_params(m) / tp, n)
+    return LayerTime(fwd, 2 * fwd, again, core, shared)
+
+
+def head_time(lay: Layout) -> tuple[float, float]:
+    """(seconds of the output head forward and backward per micro-batch, its efficiency): kept in bf16, as
+    DeepSeek-V3 keeps it."""
+    m = lay.model
+    eta = kernel_efficiency(lay.cluster, math.sqrt(m.hidden * m.vocab / lay.tp), lay.efficiency)
+    return 3 * 2 * lay.tokens * m.hidden * m.vocab / lay.tp / (lay.cluster.peak * eta), eta
+
+
+def tp_cost(lay: Layout, L: LayerTime, moe_layer: bool = False) -> Cost:
+    """Tensor parallelism per layer and micro-batch: the all-reduces of ``s·b·h`` (two forward and two
+    backward; an MoE layer with whole experts has attention's pair only; full recomputation repeats the
+    forward's), exposed as ``tp_overlap`` says."""
+    tp, e = lay.tp, 2
+    if tp == 1:
+        return Cost(0.0, 0.0)
+    pairs = 1 if (moe_layer and lay.etp == 1) else 2
+    one = bus_factor("all_reduce", tp) * lay.tokens * lay.model.hidden * e
+    fwd_c = pairs * one / lay.bandwidth("tp")
+    passes = 3 if lay.recompute == "full" else 2
+    if lay.tp_overlap == "none":
+        exposed = passes * fwd_c
+    elif lay.tp_overlap == "backward":
+        exposed = (passes - 1) * fwd_c + max(0.0, fwd_c - L.bwd / 2)                    # behind the weight gradients
+    else:
+        exposed = (passes - 1) * max(0.0, fwd_c - L.fwd) + max(0.0, fwd_c - L.bwd)
+    return Cost(passes * pairs * one, exposed)
+
+
+def cp_cost(lay: Layout, L: LayerTime) -> Cost:
+    """Context parallelism per layer and micro-batch: the ring's ``K``, ``V`` blocks hidden where a step's
+    attention covers them (chapter 04), or Llama 3's all-gather of ``K``, ``V`` exposed."""
+    cp, m, e = lay.cp, lay.model, 2
+    if cp == 1:
+        return Cost(0.0, 0.0)
+    dqk = m.head_dims[0]
+    kv_local = max(m.kv_heads // lay.tp, 1)
+    bw = lay.bandwidth("cp")
+    if lay.cp_method == "allgather":                                    # K, V gathered; dK, dV reduce-scattered
+        sent = 2 * (cp - 1) * 2 * lay.micro_batch * (lay.seq_len // cp) * kv_local * dqk * e
+        return Cost(sent, sent / bw * (1.5 if lay.recompute == "full" else 1.0))
+    costs = cp_costs(lay.seq_len, lay.micro_batch, kv_local, dqk, cp, "ring", causal=True, layout=CP_LAYOUT,
+                     itemsize=e)
+    steps = cp - 1
+    fwd = max(0.0, costs["forward"] / steps / bw - L.core / cp) * steps
+    bwd = max(0.0, costs["backward"] / steps / bw - 2 * L.core / cp) * steps
+    return Cost(costs["sent"], fwd + bwd)
+
+
+def ep_cost(lay: Layout, L: LayerTime) -> Cost:
+    """Expert parallelism per MoE layer and micro-batch: dispatch and combine, forward and backward, one copy
+    per assignment or one per destination node (``dedup``), exposed but for what runs beside it."""
+    ep, m, c = lay.ep, lay.model, lay.cluster
+    if ep == 1:
+        return Cost(0.0, 0.0)
+    e, h = 2, m.hidden
+    per_node = max(1, min(ep, c.gpus_per_node // lay.etp))
+    nodes = ep // per_node if ep % per_node == 0 else math.ceil(ep / per_node)
+    k = m.top_k
+    if lay.dedup and nodes > 1:                # one copy per remote node, then NVLink to the experts' GPUs
+        ib_copies = expected_nodes(m.experts, nodes, k, lay.node_limit) * (nodes - 1) / nodes
+        nv_copies = k * (per_node - 1) / per_node
+    else:                                      # one copy per assignment that leaves the GPU
+        ib_copies = k * (ep - per_node) / ep
+        nv_copies = k * (per_node - 1) / ep
+    rank_tokens = lay.tokens / (lay.tp if lay.sp else 1)                               # what an MoE layer routes
+    unit = rank_tokens * h * ((1 if lay.fp8 else e) + 3 * e)    # dispatch, combine; their gradients backward
+    ib, nv = unit * ib_copies / c.inter, unit * nv_copies / c.intra
+    t_comm = (max(ib, nv) if lay.dedup else ib + nv) * lay.ep_imbalance   # node-aware kernels use both at once
+    share = 1 - lay.comm_sms / c.sms            # of the SMs, while an overlapped all-to-all runs
+
+    def exposed(hidden: float) -> float:
+        """While the all-to-all runs (t_comm), computation has ``share`` of the SMs: with t_comm·share of
+        work to do meanwhile it hides the transfer but for t_comm·(1 − share); with less, the rest shows."""
+        return t_comm - min(hidden, t_comm * share)
+
+    alone = exposed(L.shared if lay.partner else 0.0)
+    paired = paired_fraction(lay.partner, lay.pp, lay.micro_batches)    # another micro-batch meanwhile
+    return Cost(unit * (ib_copies + nv_copies), paired * exposed(L.total) + (1 - paired) * alone)
+
+
+def pipeline_cost(lay: Layout, t_mb: float) -> tuple[float, Cost]:
+    """(the bubble, the point-to-point traffic per micro-batch) for a pipeline whose slowest stage takes
+    ``t_mb`` per micro-batch: ``(pp−1)/vpp`` micro-batches' time (interleaved 1F1B) or DualPipe's
+    ``(pp/2−1)(F&B + B − 3W)``; one activation each way per stage boundary, ``vpp`` times interleaved."""
+    pp = lay.pp
+    if pp == 1:
+        return 0.0, Cost(0.0, 0.0)
+    sent = 2 * lay.tokens * lay.model.hidden * 2 / (lay.tp if lay.sp else 1) * lay.vpp
+    if lay.schedule == "dualpipe":
+        return (pp / 2 - 1) * (2 / 3) * t_mb, Cost(sent, 0.0)   # F&B ≈ F + B, B = 2F, W = F
+    return (pp - 1) / lay.vpp * t_mb, Cost(sent, sent / lay.bandwidth("pp"))
+
+
+def dp_cost(lay: Layout, fwd: float, bwd: float) -> tuple[Cost, str]:
+    """(data parallelism per step, NCCL's algorithm for its gradient buckets) for the fullest stage, whose
+    micro-batch takes ``fwd`` and ``bwd`` seconds: gradients reduce-scattered (ZeRO ≥ 1) or all-reduced, the
+    weights gathered with ZeRO, in Megatron-LM's buckets over the group's real size and nodes; ZeRO-2 and
+    ZeRO-3 reduce every micro-batch's gradients, ZeRO-3 gathers the weights for each forward and backward."""
+    c, zero, e, mb = lay.cluster, lay.zero, 2, lay.micro_batches
+    replicas, edp = lay.dp * lay.cp, lay.edp
+    dense, experts = stage_params(lay)
+    grads_dense, grads_exp = dense * lay.copies, experts * lay.copies
+    reduce_op = "reduce_scatter" if zero >= 1 else "all_reduce"
+    rs = bus_factor(reduce_op, replicas) * grads_dense * lay.grad_bytes + \
+        bus_factor(reduce_op, edp) * grads_exp * lay.grad_bytes
+    ag = bus_factor("all_gather", replicas) * grads_dense * e + bus_factor("all_gather", edp) * grads_exp * e \
+        if zero >= 1 else 0.0
+    # Each in Megatron's buckets, each bucket costed by NCCL's model over the group's real size and nodes
+    # (latency included: it grows with the ring, logarithmically on a tree); the experts' gradients over
+    # their own, smaller data-parallel group (its ranks placed etp·ep apart).
+    dp_nodes, edp_nodes = group_nodes(c, lay.tp, replicas), group_nodes(c, lay.etp * lay.ep, edp)
+    bw_dp, bw_edp = lay.bandwidth("dp"), ring_bandwidth(c, lay.etp * lay.ep, edp)
+    lat = lay.dp_latency
+    reduce_parts = [bucketed(reduce_op, grads_dense, lay.grad_bytes, replicas, dp_nodes, bw_dp, lat),
+                    bucketed(reduce_op, grads_exp, lay.grad_bytes, edp, edp_nodes, bw_edp, lat)]
+    gather_parts = [bucketed("all_gather", grads_dense, e, replicas, dp_nodes, bw_dp, lat),
+                    bucketed("all_gather", grads_exp, e, edp, edp_nodes, bw_edp, lat)] if zero >= 1 else []
+    # ZeRO-1 (Megatron's distributed optimizer) keeps a whole gradient buffer and reduces it once, in the
+    # last micro-batch's backward pass. ZeRO-2 and ZeRO-3 keep only their shard of the gradients, so every
+    # micro-batch reduce-scatters what its backward pass produced (Rajbhandari et al. 2020), overlapped
+    # asynchronously with the next micro-batch's compute (as Llama 3's FSDP does), the last one with its own
+    # backward pass; ZeRO-3 also gathers the weights for every micro-batch's forward and backward pass.
+    n_rs = mb if zero >= 2 else 1
+    n_ag = 2 * mb if zero >= 3 else 1
+    t_rs, t_ag = sum(p[0] for p in reduce_parts), sum(p[0] for p in gather_parts)
+    # The last bucket is ready only when the backward pass ends, the first weights are needed when the
+    # forward pass begins: one bucket of each stays exposed however much compute there is to hide behind.
+    last_rs, first_ag = max(p[1] for p in reduce_parts), max((p[1] for p in gather_parts), default=0.0)
+    if lay.dp_overlap:
+        exposed = (n_rs - 1) * max(0.0, t_rs - fwd - bwd) + max(last_rs, t_rs - bwd)
+        if zero >= 3:
+            exposed += mb * (max(first_ag, t_ag - fwd) + max(0.0, t_ag - bwd))
+        else:
+            exposed += max(first_ag, t_ag - fwd)
+    else:
+        exposed = n_rs * t_rs + n_ag * t_ag
+    return Cost(n_rs * rs + n_ag * ag, exposed), reduce_parts[0][3]
+
+
 def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int = 1, ep: int = 1, pp: int = 1,
          dp: int = 1, micro_batch: int = 1, seq_len: int = 2048, recompute: str = "none", zero: int = 0,
          global_batch: int | None = None, vpp: int = 1, efficiency: float | None = None, *, etp: int = 1,
@@ -674,284 +1062,64 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
     overlapped, the last bucket of gradients and the first of weights stay exposed. ``dp_latency=False``
     charges their bandwidth alone, nothing exposed behind enough compute (for comparison).
     """
-    m, c = model, cluster
-    check_layout(m, c, tp, sp, cp, ep, pp, dp, micro_batch, seq_len, recompute, zero, vpp, etp, pp_layout)
-    for value, allowed, what in ((schedule, SCHEDULES, "schedule"), (tp_overlap, TP_OVERLAP, "tp_overlap"),
-                                 (cp_method, CP_METHODS, "cp_method")):
-        if value not in allowed:
-            raise ValueError(f"{what} must be one of {allowed}, got {value!r}")
-    if schedule == "dualpipe" and (pp % 2 or vpp > 1):
-        raise ValueError(f"DualPipe needs an even number of stages and no virtual stages (pp={pp}, vpp={vpp})")
-    if attention_efficiency is not None and (isinstance(attention_efficiency, bool) or not isinstance(
-            attention_efficiency, (int, float)) or not 0 < attention_efficiency <= 1):
-        raise ValueError(f"attention_efficiency must lie in (0, 1], got {attention_efficiency!r}")
-    if fp8 and not c.fp8_peak:
-        raise ValueError(f"{c.name} has no FP8 peak: fp8=True needs FP8 tensor cores")
-    if isinstance(ep_imbalance, bool) or not isinstance(ep_imbalance, (int, float)) or not \
-            1 <= ep_imbalance < math.inf:
-        raise ValueError(f"ep_imbalance is the busiest rank's tokens over the mean, at least 1; got {ep_imbalance!r}")
-    if global_batch is None:
-        global_batch = dp * micro_batch * max(pp, 8)
-    _whole(global_batch, "global_batch")
-    if global_batch % (dp * micro_batch):
-        raise ValueError(f"global batch {global_batch} is not a whole number of micro-batches of {micro_batch} "
-                         f"on each of dp={dp} replicas")
-    if isinstance(straggler_sigma, bool) or not isinstance(straggler_sigma, (int, float)) or \
-            not 0 <= straggler_sigma < 1:
-        raise ValueError(f"straggler_sigma is a spread relative to the mean step, in [0, 1); got {straggler_sigma!r}")
-    if ep_overlap not in (True, False, "auto"):
-        raise ValueError(f"ep_overlap must be True, False or 'auto', got {ep_overlap!r}")
-    partner = ep_overlap_partner(m, ep, pp, vpp, schedule, global_batch // (dp * micro_batch),
-                                 recompute) if ep_overlap else ""
-    if ep_overlap == "auto" and partner == _NOTHING:
-        partner = ""
-    if comm_sms is None:
-        comm_sms = EP_COMM_SMS if partner else 0
-    _whole(comm_sms, "comm_sms", minimum=0)
-    if comm_sms >= c.sms:
-        raise ValueError(f"comm_sms={comm_sms} leaves none of the GPU's {c.sms} SMs for computation")
-    mb = global_batch // (dp * micro_batch)                                              # micro-batches per replica
-    if pp > 1 and mb < pp and schedule == "1f1b" and vpp == 1:
-        raise ValueError(f"{mb} micro-batches per replica cannot fill pp={pp} pipeline stages")
-    group = pp if vpp_group is None else _whole(vpp_group, "vpp_group")
-    if vpp_group is not None and vpp == 1:
-        raise ValueError(f"vpp_group={vpp_group} groups micro-batches per virtual stage: it needs vpp > 1")
-    if schedule == "dualpipe" and (mb % 2 or mb < 2 * pp):
-        raise ValueError(f"DualPipe feeds micro-batches from both ends, an even number and at least 2·pp = {2 * pp} "
-                         f"(DeepSeek's dualpipe.py asserts both): {mb} per replica")
-    gpus = tp * cp * pp * dp
-    edp = tp * cp * dp // (etp * ep)                                                     # expert data parallelism
-    h, e = m.hidden, 2
-    lp = layer_params(m)
-    stages = _stage_layers(m, pp, pp_layout)
-    dqk, dv = m.head_dims
-    s_loc = seq_len // cp
-    N = s_loc * micro_batch                                                              # tokens per micro-batch
-    rank_tokens = N / (tp if sp else 1)                                                  # what an MoE layer routes
-    g = c.gpus_per_node
+    lay = Layout(model, cluster, tp, sp, cp, ep, pp, dp, micro_batch, seq_len, recompute, zero, global_batch, vpp,
+                 efficiency, etp, fused, grad_bytes, optimizer_bytes, fp8, tp_overlap, dp_overlap, cp_method, dedup,
+                 node_limit, ep_overlap, comm_sms, ep_imbalance, schedule, pp_layout, recompute_modules, vpp_group,
+                 attention_efficiency, straggler_sigma, dp_latency)
+    return plan_of(lay)
 
-    # --- memory: the first stage (embedding, most activations) or, at pp = 1, everything
-    first_dense, first_moe, _ = stages[0]
-    tables = 2 if pp == 1 else 1
-    dense_params = ((first_dense + first_moe) * lp["attention"] + first_dense * lp["mlp"]
-                    + first_moe * (lp.get("shared", 0))) / tp + tables * m.vocab * h / tp \
-        + (first_dense + first_moe) * lp["norms"] + first_moe * lp.get("router", 0)
-    expert_params = first_moe * lp.get("experts", 0) / (etp * ep)
-    copies = 2 if schedule == "dualpipe" else 1                                         # DualPipe: 2 stages per rank
-    dense_state = model_state_bytes(copies * dense_params, dp * cp, zero, grad_bytes, optimizer_bytes)
-    expert_state = model_state_bytes(copies * expert_params, edp, zero, grad_bytes, optimizer_bytes)
-    memory = {k: dense_state[k] + expert_state[k] for k in dense_state}
-    mods = _check_modules(m, recompute_modules)
-    per_dense = layer_activation_bytes(m, s_loc, micro_batch, tp, sp, recompute, False, fused, fp8, mods)
-    per_moe = layer_activation_bytes(m, s_loc, micro_batch, tp, sp, recompute, True, fused, fp8, mods) if m.is_moe else 0.0
-    stage_acts = first_dense * per_dense + first_moe * per_moe
-    if schedule == "dualpipe":
-        in_flight = (pp + 1) * copies / 2          # DeepSeek-V3 Table 2: PP + 1 micro-batches of a chunk (1F1B: PP)
-    elif vpp > 1:                         # Megatron-LM's interleaved warm-up on the first rank, in model chunks
-        chunks = min(mb * vpp, 2 * (pp - 1) + (vpp - 1) * group + 1)
-        in_flight = chunks / vpp
-    else:
-        in_flight = min(pp, mb)
-    activations = stage_acts * in_flight
-    if pp == 1:                                                                           # logits (fp32) and their input
-        activations += 4 * N * (h + m.vocab) / tp
-    memory["activations"] = activations
-    memory["total"] = sum(memory.values())
-    memory["capacity"] = c.memory
 
-    # --- which groups leave the fast domain (Megatron's order: tp, cp, [ep inside tp·cp·dp], dp, pp)
-    crosses = dict(tp=tp > g, cp=cp > 1 and tp * cp > g, ep=ep > 1 and etp * ep > g,
-                   dp=dp * cp > 1 and tp * cp * dp > g, pp=pp > 1 and tp * cp * dp * pp > g)
-    bw = {k: (c.inter if v else c.intra) for k, v in crosses.items()}
-    bw["dp"] = ring_bandwidth(c, tp, dp * cp)      # a ring over nodes: the node's NICs serve its members together
-
-    # --- compute per micro-batch and layer, on one GPU
-    share = 1 - comm_sms / c.sms                  # of the SMs, while an overlapped all-to-all runs (ep_exposed)
-    gemm_peak = c.fp8_peak if fp8 else c.peak
-    core_peak = c.peak
-    causal = 0.5 if fused else 1.0                                # a fused kernel skips the masked half
-    core_f = 2 * N * seq_len * m.heads * (dqk + dv) / tp * causal                       # scores + weighted sum
-    n_dense = gemm_size(m, tp)
-    n_moe = gemm_size(m, tp, etp, True) if m.is_moe else n_dense
-    eta_dense = kernel_efficiency(c, n_dense, efficiency)
-    eta_moe = kernel_efficiency(c, n_moe, efficiency) if m.is_moe else eta_dense
-    attn_f = 2 * N * lp["attention"] / tp
-
-    def gemm_seconds(flops: float, n: float) -> float:
-        """Matrix products at η_max of their peak, and the rest of the layer's kernels (n_half/n of
-        that time, at the bf16 rate): FP8 speeds up only the products."""
-        if efficiency is None or isinstance(efficiency, KernelCurve):
-            curve = efficiency if isinstance(efficiency, KernelCurve) else KERNEL_CURVES[c.generation]
-            return flops / curve.eta_max * (1 / (c.fp8_peak if fp8 else c.peak) + curve.n_half / n / c.peak)
-        return flops / (gemm_peak * efficiency)
-
-    def layer(moe_layer: bool) -> dict:
-        eta, n = (eta_moe, n_moe) if moe_layer else (eta_dense, n_dense)
-        shared = 0.0
-        if moe_layer:
-            mlp_f = 2 * N * (m.top_k * lp["expert"] * ep_imbalance + lp["shared"] + lp["router"]) / tp
-            shared = 3 * gemm_seconds(2 * N * lp["shared"] / tp, n)                  # forward and backward
-        else:
-            mlp_f = 2 * N * lp["mlp"] / tp
-        gemm = gemm_seconds(attn_f + mlp_f, n)
-        core = core_f / (core_peak * (eta if attention_efficiency is None else attention_efficiency))
-        fwd = gemm + core
-        again = {"none": 0.0, "selective": core, "full": fwd}[recompute]
-        if recompute != "full" and "mla_up_proj" in mods:
-            again += gemm_seconds(2 * N * _up_projection_params(m) / tp, n)
-        return dict(fwd=fwd, bwd=2 * fwd, again=again, core=core, shared=shared)
-
-    head_f = 2 * N * h * m.vocab / tp
-    eta_head = kernel_efficiency(c, math.sqrt(h * m.vocab / tp), efficiency)
-    head_time = 3 * head_f / (core_peak * eta_head)                                      # kept in bf16 (DeepSeek-V3)
-
-    # --- communication per micro-batch and layer, exposed part
-    def tp_exposed(L: dict, moe_layer: bool) -> tuple[float, float]:
-        if tp == 1:
-            return 0.0, 0.0
-        pairs = 1 if (moe_layer and etp == 1) else 2      # an MoE layer with whole experts: attention's pair only
-        per = bus_factor("all_reduce", tp) * N * h * e / bw["tp"]                       # one all-reduce's time
-        fwd_c = pairs * per
-        passes = 3 if recompute == "full" else 2
-        sent = passes * pairs * bus_factor("all_reduce", tp) * N * h * e
-        if tp_overlap == "none":
-            exposed = passes * fwd_c
-        elif tp_overlap == "backward":
-            exposed = (passes - 1) * fwd_c + max(0.0, fwd_c - L["bwd"] / 2)             # behind the weight gradients
-        else:
-            exposed = (passes - 1) * max(0.0, fwd_c - L["fwd"]) + max(0.0, fwd_c - L["bwd"])
-        return sent, exposed
-
-    def cp_exposed(L: dict) -> tuple[float, float]:
-        if cp == 1:
-            return 0.0, 0.0
-        kv_local = max(m.kv_heads // tp, 1)
-        if cp_method == "allgather":                                     # K, V gathered; dK, dV reduce-scattered
-            block = micro_batch * s_loc * kv_local * dqk * e
-            sent = 2 * (cp - 1) * 2 * block
-            return sent, sent / bw["cp"] * (1.5 if recompute == "full" else 1.0)
-        costs = cp_costs(seq_len, micro_batch, kv_local, dqk, cp, "ring", causal=True, layout=CP_LAYOUT, itemsize=e)
-        steps = cp - 1
-        fwd = max(0.0, costs["forward"] / steps / bw["cp"] - L["core"] / cp) * steps
-        bwd = max(0.0, costs["backward"] / steps / bw["cp"] - 2 * L["core"] / cp) * steps
-        return costs["sent"], fwd + bwd
-
-    def ep_exposed(L: dict) -> tuple[float, float]:
-        if ep == 1:
-            return 0.0, 0.0
-        per_node = max(1, min(ep, g // etp))
-        nodes = ep // per_node if ep % per_node == 0 else math.ceil(ep / per_node)
-        k = m.top_k
-        dispatch_e = 1 if fp8 else e
-        if dedup and nodes > 1:                # one copy per remote node, then NVLink to the experts' GPUs
-            ib_copies = expected_nodes(m.experts, nodes, k, node_limit) * (nodes - 1) / nodes
-            nv_copies = k * (per_node - 1) / per_node
-        else:                                  # one copy per assignment that leaves the GPU
-            ib_copies = k * (ep - per_node) / ep
-            nv_copies = k * (per_node - 1) / ep
-        unit = rank_tokens * h * (dispatch_e + 3 * e)          # dispatch, combine; their gradients backward
-        sent = unit * (ib_copies + nv_copies)
-        ib, nv = unit * ib_copies / c.inter, unit * nv_copies / c.intra
-        t_comm = (max(ib, nv) if dedup else ib + nv) * ep_imbalance   # node-aware kernels use both links at once
-        def exposed(hidden: float) -> float:
-            """While the all-to-all runs (t_comm), computation has ``share`` of the SMs: with t_comm·share
-            of work to do meanwhile it hides the transfer but for t_comm·(1 − share); with less, the rest shows."""
-            return t_comm - min(hidden, t_comm * share)
-
-        alone = exposed(L["shared"] if partner else 0.0)
-        paired = paired_fraction(partner, pp, mb)        # another micro-batch's forward or backward meanwhile
-        return sent, paired * exposed(L["fwd"] + L["bwd"] + L["again"]) + (1 - paired) * alone
-
+def plan_of(lay: Layout) -> Plan:
+    """:func:`plan` of a :class:`Layout`: its pieces added up for the slowest pipeline stage."""
+    m, c, mb = lay.model, lay.cluster, lay.micro_batches
     per = {}
-    for kind in ([False, True] if m.is_moe else [False]):
-        L = layer(kind)
-        tp_b, tp_t = tp_exposed(L, kind)
-        cp_b, cp_t = cp_exposed(L)
-        ep_b, ep_t = ep_exposed(L) if kind else (0.0, 0.0)
-        per[kind] = dict(compute=L["fwd"] + L["bwd"] + L["again"], fwd=L["fwd"], bwd=L["bwd"],
-                         tp=(tp_b, tp_t), cp=(cp_b, cp_t), ep=(ep_b, ep_t))
+    for moe_layer in ([False, True] if m.is_moe else [False]):
+        L = layer_time(lay, moe_layer)
+        per[moe_layer] = (L, tp_cost(lay, L, moe_layer), cp_cost(lay, L),
+                          ep_cost(lay, L) if moe_layer else Cost(0.0, 0.0))
+    head, eta_head = head_time(lay)
 
-    def rank_time(dense_n: int, moe_n: int, head: bool) -> dict:
+    def rank_time(dense_n: int, moe_n: int, has_head: bool) -> dict:
         out = dict(compute=0.0, fwd=0.0, bwd=0.0, tp=0.0, cp=0.0, ep=0.0)
-        for kind, n in ((False, dense_n), (True, moe_n)):
+        for moe_layer, n in ((False, dense_n), (True, moe_n)):
             if n:
-                L = per[kind]
-                for key in ("compute", "fwd", "bwd"):
-                    out[key] += n * L[key]
-                for key in ("tp", "cp", "ep"):
-                    out[key] += n * L[key][1]
-        if head:
-            out["compute"] += head_time
-            out["fwd"] += head_time / 3
-            out["bwd"] += 2 * head_time / 3
+                L, *costs = per[moe_layer]
+                out["compute"] += n * L.total
+                out["fwd"] += n * L.fwd
+                out["bwd"] += n * L.bwd
+                for key, cost in zip(("tp", "cp", "ep"), costs):
+                    out[key] += n * cost.exposed
+        if has_head:
+            out["compute"] += head
+            out["fwd"] += head / 3
+            out["bwd"] += 2 * head / 3
         return out
 
-    ranks = [rank_time(*st) for st in stages]
-    slowest = max(ranks, key=lambda r: r["compute"] + r["tp"] + r["cp"] + r["ep"])
-    pp_bytes = 2 * N * h * e / (tp if sp else 1) * vpp if pp > 1 else 0.0                # per micro-batch
-    pp_time = 0.0 if (pp == 1 or schedule == "dualpipe") else pp_bytes / bw["pp"]
-    t_mb = slowest["compute"] + slowest["tp"] + slowest["cp"] + slowest["ep"] + pp_time
-    if pp == 1:
-        bubble = 0.0
-    elif schedule == "dualpipe":
-        bubble = (pp / 2 - 1) * (2 / 3) * t_mb      # (F&B + B − 3W) with F&B ≈ F + B, B = 2F, W = F
-    else:
-        bubble = (pp - 1) / vpp * t_mb
-
-    # --- data parallelism: gradients and parameters of the fullest stage, once per step
-    replicas = dp * cp
-    grads_dense, grads_exp = dense_params * copies, expert_params * copies
-    reduce_op = "reduce_scatter" if zero >= 1 else "all_reduce"
-    rs = bus_factor(reduce_op, replicas) * grads_dense * grad_bytes + bus_factor(reduce_op, edp) * grads_exp * grad_bytes
-    ag = bus_factor("all_gather", replicas) * grads_dense * e + bus_factor("all_gather", edp) * grads_exp * e \
-        if zero >= 1 else 0.0
-    # Each in Megatron's buckets, each bucket costed by NCCL's model over the group's real size and nodes
-    # (latency included: it grows with the ring, logarithmically on a tree); the experts' gradients over
-    # their own, smaller data-parallel group (its ranks placed etp·ep apart).
-    dp_nodes, edp_nodes = group_nodes(c, tp, replicas), group_nodes(c, etp * ep, edp)
-    bw_edp = ring_bandwidth(c, etp * ep, edp)
-    reduce_parts = [bucketed(reduce_op, grads_dense, grad_bytes, replicas, dp_nodes, bw["dp"], dp_latency),
-                    bucketed(reduce_op, grads_exp, grad_bytes, edp, edp_nodes, bw_edp, dp_latency)]
-    gather_parts = [bucketed("all_gather", grads_dense, e, replicas, dp_nodes, bw["dp"], dp_latency),
-                    bucketed("all_gather", grads_exp, e, edp, edp_nodes, bw_edp, dp_latency)] if zero >= 1 else []
-    dp_algorithm = reduce_parts[0][3]
-    # ZeRO-1 (Megatron's distributed optimizer) keeps a whole gradient buffer and reduces it once, in the
-    # last micro-batch's backward pass. ZeRO-2 and ZeRO-3 keep only their shard of the gradients, so every
-    # micro-batch reduce-scatters what its backward pass produced (Rajbhandari et al. 2020), overlapped
-    # asynchronously with the next micro-batch's compute (as Llama 3's FSDP does), the last one with its own
-    # backward pass; ZeRO-3 also gathers the weights for every micro-batch's forward and backward pass.
-    n_rs = mb if zero >= 2 else 1
-    n_ag = 2 * mb if zero >= 3 else 1
-    t_rs, t_ag = sum(p[0] for p in reduce_parts), sum(p[0] for p in gather_parts)
-    # The last bucket is ready only when the backward pass ends, the first weights are needed when the
-    # forward pass begins: one bucket of each stays exposed however much compute there is to hide behind.
-    last_rs, first_ag = max(p[1] for p in reduce_parts), max((p[1] for p in gather_parts), default=0.0)
-    if dp_overlap:
-        dp_time = (n_rs - 1) * max(0.0, t_rs - slowest["fwd"] - slowest["bwd"]) + max(last_rs, t_rs - slowest["bwd"])
-        if zero >= 3:
-            dp_time += mb * (max(first_ag, t_ag - slowest["fwd"]) + max(0.0, t_ag - slowest["bwd"]))
-        else:
-            dp_time += max(first_ag, t_ag - slowest["fwd"])
-    else:
-        dp_time = n_rs * t_rs + n_ag * t_ag
-
+    stages = lay.stages
+    slowest = max((rank_time(*st) for st in stages), key=lambda r: r["compute"] + r["tp"] + r["cp"] + r["ep"])
+    t_layers = slowest["compute"] + slowest["tp"] + slowest["cp"] + slowest["ep"]
+    pp_cost = pipeline_cost(lay, 0.0)[1]
+    bubble, _ = pipeline_cost(lay, t_layers + pp_cost.exposed)
+    dp, dp_algorithm = dp_cost(lay, slowest["fwd"], slowest["bwd"])
     compute = mb * slowest["compute"]
     time = dict(compute=compute, bubble=bubble, **{f"{k} comm": mb * slowest[k] for k in ("tp", "cp", "ep")},
-                **{"pp comm": mb * pp_time, "dp comm": dp_time},
-                stragglers=straggler_sigma * expected_max_normal(gpus) * compute if straggler_sigma else 0.0)
+                **{"pp comm": mb * pp_cost.exposed, "dp comm": dp.exposed},
+                stragglers=lay.straggler_sigma * expected_max_normal(lay.gpus) * compute if lay.straggler_sigma
+                else 0.0)
     time["total"] = sum(time.values())
-    fl = flops_per_token(m, seq_len, recompute, mods)
-    tokens = global_batch * seq_len
+    fl = flops_per_token(m, lay.seq_len, lay.recompute, lay.modules)
+    tokens = lay.global_batch * lay.seq_len
     flops = dict(model=fl["model"] * tokens, hardware=fl["hardware"] * tokens)
-    denominator = time["total"] * gpus * c.peak
-    mb_tp, mb_cp = per[False]["tp"][0], per[False]["cp"][0]
-    layers_here = sum(d + x for d, x, _ in stages) / pp
-    comm = dict(tp=mb * layers_here * mb_tp, cp=mb * layers_here * mb_cp,
-                ep=mb * max(sum(x for _, x, _ in stages) / pp, 0) * (per[True]["ep"][0] if m.is_moe else 0.0),
-                pp=mb * pp_bytes, dp=n_rs * rs + n_ag * ag)
-    return Plan(memory, comm, crosses, time, flops["model"] / denominator, flops["hardware"] / denominator, gpus,
-                flops, dict(dense=eta_dense, moe=eta_moe if m.is_moe else None, head=eta_head), mb,
-                partner, comm_sms, dp_algorithm)
+    denominator = time["total"] * lay.gpus * c.peak
+    layers_here = sum(d + x for d, x, _ in stages) / lay.pp
+    comm = dict(tp=mb * layers_here * per[False][1].sent, cp=mb * layers_here * per[False][2].sent,
+                ep=mb * max(sum(x for _, x, _ in stages) / lay.pp, 0) * (per[True][3].sent if m.is_moe else 0.0),
+                pp=mb * pp_cost.sent, dp=dp.sent)
+    eta = {k: kernel_efficiency(c, layer_size(lay, k), lay.efficiency) for k in per}
+    return Plan(stage_memory(lay), comm, lay.crosses_nodes, time, flops["model"] / denominator,
+                flops["hardware"] / denominator, lay.gpus, flops,
+                dict(dense=eta[False], moe=eta[True] if m.is_moe else None, head=eta_head), mb, lay.partner,
+                lay.comm_sms, dp_algorithm)
 
 
 # ---------------------------------------------------------------------------- search

@@ -639,3 +639,33 @@ def test_independent_rows_are_the_other_papers_held_out_runs():
     assert independent == {"Narayanan 1.7B", "Narayanan 3.6B", "Narayanan 7.5B", "Narayanan 18.4B",
                            "DeepSeek-V3, 2,048 H800"}
     assert not any(P.independent_of_fit(r) for r in P.RECORD if r.role in ("fit", "bracket"))
+
+
+def test_the_plan_is_the_sum_of_its_pieces():
+    """Each piece on its own, from one Layout: plan's time is theirs added up for the slowest stage."""
+    m = P.Model("tiny", layers=16, hidden=1024, heads=8, kv_heads=8, ffn=4096, vocab=1024)
+    cluster = dataclasses.replace(H100, gpus=16)
+    lay = P.Layout(m, cluster, tp=8, sp=True, dp=2, global_batch=4, efficiency=0.5, seq_len=1024,
+                   tp_overlap="none", dp_overlap=False)
+    pl = P.plan_of(lay)
+    L = P.layer_time(lay)
+    assert L.bwd == 2 * L.fwd and L.again == 0 and L.total == 3 * L.fwd
+    tp = P.tp_cost(lay, L)
+    one = P.bus_factor("all_reduce", 8) * 1024 * 1024 * 2                 # s·b·h bf16, ring bytes
+    assert tp.sent == 4 * one and tp.exposed == pytest.approx(4 * one / H100.intra)
+    head, _ = P.head_time(lay)
+    assert lay.micro_batches == 2 and pl.time["compute"] == pytest.approx(2 * (16 * L.total + head))
+    assert pl.time["tp comm"] == pytest.approx(2 * 16 * tp.exposed)
+    dp, algorithm = P.dp_cost(lay, 16 * L.fwd + head / 3, 16 * L.bwd + 2 * head / 3)
+    assert pl.time["dp comm"] == pytest.approx(dp.exposed) and algorithm == "ring"
+    assert P.cp_cost(lay, L) == P.Cost(0.0, 0.0) and P.ep_cost(lay, L) == P.Cost(0.0, 0.0)
+    assert P.pipeline_cost(lay, 1.0) == (0.0, P.Cost(0.0, 0.0))
+    assert pl.memory_bytes == P.stage_memory(lay)
+    assert P.plan(m, cluster, tp=8, sp=True, dp=2, global_batch=4, efficiency=0.5, seq_len=1024,
+                  tp_overlap="none", dp_overlap=False).time == pl.time
+    # a Layout refuses what plan refuses, in the same words
+    with pytest.raises(ValueError, match="not divisible by tp=3|does not divide"):
+        P.Layout(m, cluster, tp=3)
+    piped = P.Layout(m, cluster, tp=8, pp=2, global_batch=8, efficiency=0.5, seq_len=1024)
+    bubble, p2p = P.pipeline_cost(piped, 2.0)
+    assert bubble == pytest.approx(2.0) and p2p.sent == 2 * 1024 * 1024 * 2
