@@ -507,14 +507,15 @@ def ddp_bucket_elements(replicas: int) -> int:
 
 
 def bucketed(op: str, elements: float, itemsize: int, replicas: int, nodes: int, bandwidth: float,
-             latency: bool = True) -> tuple:
+             latency: bool = True, overlapped: bool = True) -> tuple:
     """(seconds for all buckets, seconds of one bucket, buckets, NCCL's algorithm) for ``elements``
     reduced or gathered in Megatron's buckets, each costed by NCCL's model (:func:`.collectives.nccl_time`).
+    Not ``overlapped``, one bucket: Megatron-LM buckets only with ``--overlap-grad-reduce``.
     ``latency=False``: the ring's bandwidth term alone, and no bucket left exposed (the planner before
     it modelled NCCL, kept for the comparison in chapter 08)."""
     if replicas == 1 or elements <= 0:
         return 0.0, 0.0, 0, ""
-    buckets = max(1, math.ceil(elements / ddp_bucket_elements(replicas)))
+    buckets = max(1, math.ceil(elements / ddp_bucket_elements(replicas))) if overlapped else 1
     if not latency:
         return bus_factor(op, replicas) * elements * itemsize / bandwidth, 0.0, buckets, "ring"
     each, algorithm = nccl_time(op, elements / buckets * itemsize, replicas, nodes, bandwidth)
@@ -994,11 +995,11 @@ def dp_cost(lay: Layout, fwd: float, bwd: float) -> tuple[Cost, str]:
     # their own, smaller data-parallel group (its ranks placed etp·ep apart).
     dp_nodes, edp_nodes = group_nodes(c, lay.tp, replicas), group_nodes(c, lay.etp * lay.ep, edp)
     bw_dp, bw_edp = lay.bandwidth("dp"), ring_bandwidth(c, lay.etp * lay.ep, edp)
-    lat = lay.dp_latency
-    reduce_parts = [bucketed(reduce_op, grads_dense, lay.grad_bytes, replicas, dp_nodes, bw_dp, lat),
-                    bucketed(reduce_op, grads_exp, lay.grad_bytes, edp, edp_nodes, bw_edp, lat)]
-    gather_parts = [bucketed("all_gather", grads_dense, e, replicas, dp_nodes, bw_dp, lat),
-                    bucketed("all_gather", grads_exp, e, edp, edp_nodes, bw_edp, lat)] if zero >= 1 else []
+    lat, over = lay.dp_latency, lay.dp_overlap
+    reduce_parts = [bucketed(reduce_op, grads_dense, lay.grad_bytes, replicas, dp_nodes, bw_dp, lat, over),
+                    bucketed(reduce_op, grads_exp, lay.grad_bytes, edp, edp_nodes, bw_edp, lat, over)]
+    gather_parts = [bucketed("all_gather", grads_dense, e, replicas, dp_nodes, bw_dp, lat, over),
+                    bucketed("all_gather", grads_exp, e, edp, edp_nodes, bw_edp, lat, over)] if zero >= 1 else []
     # ZeRO-1 (Megatron's distributed optimizer) keeps a whole gradient buffer and reduces it once, in the
     # last micro-batch's backward pass. ZeRO-2 and ZeRO-3 keep only their shard of the gradients, so every
     # micro-batch reduce-scatters what its backward pass produced (Rajbhandari et al. 2020), overlapped
