@@ -247,7 +247,7 @@ NCCL_BASE_US = 8.4
 #: the network between nodes.
 NCCL_STEP_US = {("ring", "nvlink"): 3.4, ("tree", "nvlink"): 4.0, ("ring", "net"): 14.0, ("tree", "net"): 14.0}
 #: Inside a multi-node ring every step costs at least the network overhead (``getNetOverhead``: 1 µs on
-#: Intel x86, 2 on AMD), tripled for the Simple protocol.
+#: Intel x86, 2 on AMD), tripled for the Simple protocol; a cluster gives its own (``Cluster.net_overhead_us``).
 NCCL_NET_OVERHEAD_US = 1.0
 #: A multi-node ring all-reduce of large messages has its latency raised 1.4× on compute capability
 #: 8.0 and later (1.9× before; the course's clusters are all 8.0 or later): the "plateau effect of ring".
@@ -256,6 +256,9 @@ NCCL_RING_PLATEAU = 1.4
 #: (algorithm bandwidth = bus bandwidth / 2), corrected by ``treeCorrectionFactor`` for messages of
 #: 64 B·2^i, i < 23 (the Simple row):
 NCCL_TREE_BW = 0.92
+#: With one GPU of the communicator per node the tree's pattern is NCCL_TOPO_PATTERN_TREE (search.cc), whose
+#: bus bandwidth NCCL lowers by a further 0.85.
+NCCL_TREE_ONE_PER_NODE = 0.85
 NCCL_TREE_CORRECTION = (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8, .7, .7, .8, .9, .9)
 NCCL_ALGORITHMS = ("ring", "tree")
 
@@ -264,7 +267,8 @@ def _log2i(n: int) -> int:
     return int(n).bit_length() - 1
 
 
-def nccl_latency(op: str, ranks: int, nodes: int = 1, algorithm: str = "ring") -> float:
+def nccl_latency(op: str, ranks: int, nodes: int = 1, algorithm: str = "ring",
+                 net_overhead_us: float = NCCL_NET_OVERHEAD_US) -> float:
     """Seconds of latency NCCL's tuning model charges one ``op`` on ``ranks`` GPUs over ``nodes`` nodes.
 
     Ring: ``base + (steps − inter)·intra + inter·net`` with ``steps = 2(n−1)`` for an all-reduce
@@ -281,8 +285,8 @@ def nccl_latency(op: str, ranks: int, nodes: int = 1, algorithm: str = "ring") -
     for value, what in ((ranks, "ranks"), (nodes, "nodes")):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{what}={value!r} must be a whole number ≥ 1")
-    if ranks % nodes:
-        raise ValueError(f"ranks={ranks} must spread evenly over nodes={nodes} (NCCL's model takes n/nodes per node)")
+    if nodes > ranks:
+        raise ValueError(f"nodes={nodes} cannot exceed ranks={ranks}: every node holds at least one rank")
     if algorithm == "tree" and op != "all_reduce":
         raise ValueError("NCCL's tree runs all-reduces only; all-gather and reduce-scatter use the ring")
     if ranks == 1:
@@ -293,7 +297,7 @@ def nccl_latency(op: str, ranks: int, nodes: int = 1, algorithm: str = "ring") -
         return 1e-6 * (NCCL_BASE_US + 2 * ((ranks // nodes - 1) * intra + _log2i(nodes) * net))
     intra = NCCL_STEP_US[("ring", "nvlink")]
     if nodes > 1:
-        intra = max(intra, 3 * NCCL_NET_OVERHEAD_US)
+        intra = max(intra, 3 * net_overhead_us)
     total, inter = (2 * (ranks - 1), 2 * (nodes - 1)) if op == "all_reduce" else (ranks - 1, nodes - 1)
     latency = NCCL_BASE_US + (total - inter) * intra + inter * net
     if op == "all_reduce" and nodes > 1:
@@ -302,20 +306,24 @@ def nccl_latency(op: str, ranks: int, nodes: int = 1, algorithm: str = "ring") -
 
 
 def nccl_time(op: str, size_bytes: float, ranks: int, nodes: int, bandwidth: float,
-              algorithm: str = "auto") -> tuple[float, str]:
-    """(seconds, algorithm) of one ``op`` of S = ``size_bytes`` as NCCL's model costs it, with
-    ``bandwidth`` the ring's bus bandwidth per GPU (bytes/s); ``"auto"`` picks the faster of ring and
-    tree, as NCCL's tuner does (an all-reduce only: the others run on the ring)."""
+              algorithm: str = "auto", net_overhead_us: float = NCCL_NET_OVERHEAD_US) -> tuple[float, str]:
+    """(seconds, algorithm) of one ``op`` of S = ``size_bytes`` in NCCL's model for the Simple protocol, with
+    ``bandwidth`` the ring's bus bandwidth per GPU (bytes/s); ``"auto"`` takes the faster of ring and tree
+    (an all-reduce only: the others run on the ring). NCCL's tuner also weighs the LL and LL128 protocols
+    and the NVLS, CollNet and PAT algorithms, which this model leaves out: its pick is the Simple
+    protocol's, not necessarily NCCL's."""
     if not (isinstance(size_bytes, (int, float)) and size_bytes >= 0 and bandwidth > 0):
         raise ValueError(f"size_bytes={size_bytes!r} must be ≥ 0 and bandwidth={bandwidth!r} > 0")
     if algorithm == "auto":
         choices = NCCL_ALGORITHMS if op == "all_reduce" and nodes > 1 else ("ring",)
-        return min((nccl_time(op, size_bytes, ranks, nodes, bandwidth, a) for a in choices), key=lambda t: t[0])
+        return min((nccl_time(op, size_bytes, ranks, nodes, bandwidth, a, net_overhead_us) for a in choices),
+                   key=lambda t: t[0])
     if ranks == 1:
         return 0.0, algorithm
-    latency = nccl_latency(op, ranks, nodes, algorithm)
+    latency = nccl_latency(op, ranks, nodes, algorithm, net_overhead_us)
     if algorithm == "ring":
         return latency + bus_factor(op, ranks) * size_bytes / bandwidth, "ring"
-    size_class = _log2i(max(1, int(size_bytes) >> 6))
+    size_class = _log2i(int(size_bytes) >> 6)                 # −1 below 64 bytes: no correction, as in NCCL
     correction = NCCL_TREE_CORRECTION[size_class] if 0 <= size_class < len(NCCL_TREE_CORRECTION) else 1.0
-    return latency + 2 * size_bytes / (NCCL_TREE_BW * bandwidth * correction), "tree"
+    pattern = NCCL_TREE_ONE_PER_NODE if ranks == nodes else 1.0
+    return latency + 2 * size_bytes / (NCCL_TREE_BW * pattern * bandwidth * correction), "tree"

@@ -198,6 +198,7 @@ class Cluster:
     generation: str = "Hopper"    # picks the calibrated kernel curve
     fp8_peak: float = 0.0         # dense FP8 FLOP/s per GPU (0: no FP8 tensor cores)
     sms: int = 132                # streaming multiprocessors per GPU
+    net_overhead_us: float = 1.0  # NCCL's network overhead per step (getNetOverhead: 1 µs Intel x86, 2 AMD)
 
 
 _NVLINK4, _NDR, _NVLINK5 = (LINKS[k].bandwidth for k in ("NVLink 4 (H100 SXM)", "InfiniBand NDR (1 NIC)",
@@ -213,8 +214,9 @@ CLUSTERS = {
     _A100: Cluster(_A100, gpus=4096, gpus_per_node=8, memory=80e9, intra=300e9, inter=25e9, peak=312e12,
                    source="NVIDIA A100 datasheet: 80 GB, 312 TFLOP/s dense bf16, 600 GB/s NVLink both ways; 108 "
                           "SMs (CUDA deviceQuery, A100-SXM4-80GB); HDR InfiniBand 200 Gb/s, one NIC per GPU (Selene: 8 per "
-                          "node)",
-                   generation="Ampere", sms=108),
+                          "node); DGX A100 nodes have two AMD EPYC 7742 CPUs (DGX A100 datasheet), for which NCCL "
+                          "takes a 2 µs network overhead",
+                   generation="Ampere", sms=108, net_overhead_us=2.0),
     _H800: Cluster(_H800, gpus=2048, gpus_per_node=8, memory=80e9, intra=160e9, inter=50e9, peak=H100_BF16_PEAK,
                    source="DeepSeek-V3 report §3.1–3.2: 2048 H800, 8 per node, NVLink 160 GB/s, InfiniBand 50 GB/s, "
                           "132 SMs; memory and peaks taken from the H100 datasheet (the report gives neither)",
@@ -492,11 +494,8 @@ def ring_bandwidth(c: Cluster, stride: int, group: int) -> float:
 
 
 def group_nodes(c: Cluster, stride: int, group: int) -> int:
-    """How many nodes a group of ``group`` ranks placed ``stride`` GPUs apart spans (at least one;
-    ``group`` itself when the ranks do not spread evenly, so that every step crosses the network)."""
-    per_node = max(1, min(group, c.gpus_per_node // stride))
-    nodes = math.ceil(group / per_node)
-    return nodes if group % nodes == 0 else group
+    """How many nodes a group of ``group`` ranks placed ``stride`` GPUs apart spans (ranks 0, stride, 2·stride, …)."""
+    return len({i * stride // c.gpus_per_node for i in range(group)})
 
 
 def ddp_bucket_elements(replicas: int) -> int:
@@ -507,18 +506,22 @@ def ddp_bucket_elements(replicas: int) -> int:
 
 
 def bucketed(op: str, elements: float, itemsize: int, replicas: int, nodes: int, bandwidth: float,
-             latency: bool = True, overlapped: bool = True) -> tuple:
+             latency: bool = True, overlapped: bool = True, bucket: int | None = None,
+             net_overhead_us: float = 1.0) -> tuple:
     """(seconds for all buckets, seconds of one bucket, buckets, NCCL's algorithm) for ``elements``
     reduced or gathered in Megatron's buckets, each costed by NCCL's model (:func:`.collectives.nccl_time`).
-    Not ``overlapped``, one bucket: Megatron-LM buckets only with ``--overlap-grad-reduce``.
+    Not ``overlapped``, one bucket: Megatron-LM buckets only with ``--overlap-grad-reduce``. ``bucket``
+    (elements) defaults to :func:`ddp_bucket_elements` of ``replicas``.
     ``latency=False``: the ring's bandwidth term alone, and no bucket left exposed (the planner before
     it modelled NCCL, kept for the comparison in chapter 08)."""
     if replicas == 1 or elements <= 0:
         return 0.0, 0.0, 0, ""
-    buckets = max(1, math.ceil(elements / ddp_bucket_elements(replicas))) if overlapped else 1
+    bucket = ddp_bucket_elements(replicas) if bucket is None else bucket
+    buckets = max(1, math.ceil(elements / bucket)) if overlapped else 1
     if not latency:
         return bus_factor(op, replicas) * elements * itemsize / bandwidth, 0.0, buckets, "ring"
-    each, algorithm = nccl_time(op, elements / buckets * itemsize, replicas, nodes, bandwidth)
+    each, algorithm = nccl_time(op, elements / buckets * itemsize, replicas, nodes, bandwidth,
+                                net_overhead_us=net_overhead_us)
     return buckets * each, each, buckets, algorithm
 
 
@@ -992,14 +995,16 @@ def dp_cost(lay: Layout, fwd: float, bwd: float) -> tuple[Cost, str]:
         if zero >= 1 else 0.0
     # Each in Megatron's buckets, each bucket costed by NCCL's model over the group's real size and nodes
     # (latency included: it grows with the ring, logarithmically on a tree); the experts' gradients over
-    # their own, smaller data-parallel group (its ranks placed etp·ep apart).
+    # their own, smaller data-parallel group (its ranks placed etp·ep apart), in buckets of the same size
+    # (Megatron-LM sizes every buffer's buckets from the data- and context-parallel size).
     dp_nodes, edp_nodes = group_nodes(c, lay.tp, replicas), group_nodes(c, lay.etp * lay.ep, edp)
     bw_dp, bw_edp = lay.bandwidth("dp"), ring_bandwidth(c, lay.etp * lay.ep, edp)
-    lat, over = lay.dp_latency, lay.dp_overlap
-    reduce_parts = [bucketed(reduce_op, grads_dense, lay.grad_bytes, replicas, dp_nodes, bw_dp, lat, over),
-                    bucketed(reduce_op, grads_exp, lay.grad_bytes, edp, edp_nodes, bw_edp, lat, over)]
-    gather_parts = [bucketed("all_gather", grads_dense, e, replicas, dp_nodes, bw_dp, lat, over),
-                    bucketed("all_gather", grads_exp, e, edp, edp_nodes, bw_edp, lat, over)] if zero >= 1 else []
+    opts = dict(latency=lay.dp_latency, overlapped=lay.dp_overlap, bucket=ddp_bucket_elements(replicas),
+                net_overhead_us=c.net_overhead_us)
+    reduce_parts = [bucketed(reduce_op, grads_dense, lay.grad_bytes, replicas, dp_nodes, bw_dp, **opts),
+                    bucketed(reduce_op, grads_exp, lay.grad_bytes, edp, edp_nodes, bw_edp, **opts)]
+    gather_parts = [bucketed("all_gather", grads_dense, e, replicas, dp_nodes, bw_dp, **opts),
+                    bucketed("all_gather", grads_exp, e, edp, edp_nodes, bw_edp, **opts)] if zero >= 1 else []
     # ZeRO-1 (Megatron's distributed optimizer) keeps a whole gradient buffer and reduces it once, in the
     # last micro-batch's backward pass. ZeRO-2 and ZeRO-3 keep only their shard of the gradients, so every
     # micro-batch reduce-scatters what its backward pass produced (Rajbhandari et al. 2020), overlapped
@@ -1010,6 +1015,8 @@ def dp_cost(lay: Layout, fwd: float, bwd: float) -> tuple[Cost, str]:
     t_rs, t_ag = sum(p[0] for p in reduce_parts), sum(p[0] for p in gather_parts)
     # The last bucket is ready only when the backward pass ends, the first weights are needed when the
     # forward pass begins: one bucket of each stays exposed however much compute there is to hide behind.
+    # (ZeRO-3 gathers again for each micro-batch: its forward waits for the first bucket, its backward's
+    # gathers are taken as prefetched during the forward, so only what exceeds the backward shows.)
     last_rs, first_ag = max(p[1] for p in reduce_parts), max((p[1] for p in gather_parts), default=0.0)
     if lay.dp_overlap:
         exposed = (n_rs - 1) * max(0.0, t_rs - fwd - bwd) + max(last_rs, t_rs - bwd)
