@@ -42,7 +42,8 @@ It is built from pieces, each a function of one checked :class:`Layout`: :func:`
   * tensor parallelism: 4 collectives of ``s·b·h`` per layer and micro-batch (6 with full
     recomputation), ring bytes ``2(t−1)/t`` (chapter 02); exposed, or the backward ones
     hidden behind the weight-gradient products (``tp_overlap="backward"``, as Korthikanti
-    et al. describe Megatron-LM), or all of them behind their products (``"all"``, chapter 07);
+    et al. describe Megatron-LM), or each reduce-scatter and all-gather behind the one product beside it
+    (``"all"``, Transformer Engine's overlap, chapter 07);
   * context parallelism: the ring's ``K``, ``V`` blocks (:func:`context_parallel.cp_costs`),
     hidden where a step's attention covers its transfer (chapter 04), or an exposed
     all-gather of ``K`` and ``V`` (``cp_method="allgather"``, Llama 3);
@@ -894,10 +895,32 @@ def head_time(lay: Layout) -> tuple[float, float]:
     return 3 * 2 * lay.tokens * m.hidden * m.vocab / lay.tp / (lay.cluster.peak * eta), eta
 
 
+def tp_products(lay: Layout, moe_layer: bool = False) -> list[float]:
+    """Forward seconds of the matrix products beside which each tensor-parallel collective of a layer runs
+    under ``tp_overlap="all"``: the gather before a column-parallel product feeds it, the reduction after a
+    row-parallel one follows it (Transformer Engine's userbuffers overlap, chapter 07) — attention's
+    q·k·v and output projections, then the MLP's first matrices and its last (an MoE layer with whole
+    experts: attention's only)."""
+    m, N, tp = lay.model, lay.tokens, lay.tp
+    lp = layer_params(m)
+    n = layer_size(lay, moe_layer)
+    out_attn = m.heads * m.head_dims[1] * m.hidden
+    pieces = [lp["attention"] - out_attn, out_attn]
+    if not moe_layer:
+        pieces += [lp["mlp"] * (m.mlp_matrices - 1) / m.mlp_matrices, lp["mlp"] / m.mlp_matrices]
+    elif lay.etp > 1:                              # split experts: gate and up, then down (3 matrices each)
+        routed = m.top_k * lp["expert"] * lay.ep_imbalance + lp["shared"]
+        pieces += [routed * 2 / 3, routed / 3]
+    return [gemm_seconds(lay, 2 * N * p / tp, n) for p in pieces]
+
+
 def tp_cost(lay: Layout, L: LayerTime, moe_layer: bool = False) -> Cost:
     """Tensor parallelism per layer and micro-batch: the all-reduces of ``s·b·h`` (two forward and two
     backward; an MoE layer with whole experts has attention's pair only; full recomputation repeats the
-    forward's), exposed as ``tp_overlap`` says."""
+    forward's), exposed as ``tp_overlap`` says: all of them (``"none"``); the forward's, the backward's
+    hidden behind the weight gradients (``"backward"``); or each half of an all-reduce (its reduce-scatter
+    and its all-gather) behind the one product beside it, forward and backward (``"all"``,
+    :func:`tp_products`)."""
     tp, e = lay.tp, 2
     if tp == 1:
         return Cost(0.0, 0.0)
@@ -910,7 +933,11 @@ def tp_cost(lay: Layout, L: LayerTime, moe_layer: bool = False) -> Cost:
     elif lay.tp_overlap == "backward":
         exposed = (passes - 1) * fwd_c + max(0.0, fwd_c - L.bwd / 2)                    # behind the weight gradients
     else:
-        exposed = (passes - 1) * max(0.0, fwd_c - L.fwd) + max(0.0, fwd_c - L.bwd)
+        half = one / lay.bandwidth("tp") / 2                 # a reduce-scatter or an all-gather: half an all-reduce
+        products = tp_products(lay, moe_layer)
+        forward = sum(max(0.0, half - t) for t in products)
+        backward = sum(max(0.0, half - 2 * t) for t in products)             # input and weight gradients
+        exposed = (passes - 1) * forward + backward
     return Cost(passes * pairs * one, exposed)
 
 
