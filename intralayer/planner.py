@@ -1104,40 +1104,66 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
     return plan_of(lay)
 
 
+@dataclass(frozen=True)
+class StageTime:
+    """One pipeline stage's work per micro-batch, in seconds: its layers' compute (and the head's, on the
+    last stage), the forward and backward parts of it, and the exposed TP, CP and EP communication."""
+
+    compute: float
+    fwd: float
+    bwd: float
+    tp: float
+    cp: float
+    ep: float
+
+    @property
+    def busy(self) -> float:
+        return self.compute + self.tp + self.cp + self.ep
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """A layer's pieces: its compute and its exposed TP, CP and EP communication (:func:`layer_costs`)."""
+
+    time: LayerTime
+    tp: Cost
+    cp: Cost
+    ep: Cost
+
+
+def layer_costs(lay: Layout, moe_layer: bool = False) -> LayerCosts:
+    L = layer_time(lay, moe_layer)
+    return LayerCosts(L, tp_cost(lay, L, moe_layer), cp_cost(lay, L), ep_cost(lay, L) if moe_layer else Cost(0.0, 0.0))
+
+
+def stage_time(lay: Layout, layers: tuple[int, int, bool], dense: LayerCosts, moe: LayerCosts | None,
+               head: float) -> StageTime:
+    """A stage of ``(dense layers, MoE layers, holds the head)`` (:attr:`Layout.stages`): its layers'
+    pieces (:func:`layer_costs`, dense and MoE) and the head's time (:func:`head_time`) added up."""
+    dense_n, moe_n, has_head = layers
+    compute = fwd = bwd = tp = cp = ep = 0.0
+    for n, pieces in ((dense_n, dense), (moe_n, moe)):
+        if n:
+            L = pieces.time
+            compute, fwd, bwd = compute + n * L.total, fwd + n * L.fwd, bwd + n * L.bwd
+            tp, cp, ep = tp + n * pieces.tp.exposed, cp + n * pieces.cp.exposed, ep + n * pieces.ep.exposed
+    if has_head:
+        compute, fwd, bwd = compute + head, fwd + head / 3, bwd + 2 * head / 3
+    return StageTime(compute, fwd, bwd, tp, cp, ep)
+
+
 def plan_of(lay: Layout) -> Plan:
     """:func:`plan` of a :class:`Layout`: its pieces added up for the slowest pipeline stage."""
     m, c, mb = lay.model, lay.cluster, lay.micro_batches
-    per = {}
-    for moe_layer in ([False, True] if m.is_moe else [False]):
-        L = layer_time(lay, moe_layer)
-        per[moe_layer] = (L, tp_cost(lay, L, moe_layer), cp_cost(lay, L),
-                          ep_cost(lay, L) if moe_layer else Cost(0.0, 0.0))
-    head, eta_head = head_time(lay)
-
-    def rank_time(dense_n: int, moe_n: int, has_head: bool) -> dict:
-        out = dict(compute=0.0, fwd=0.0, bwd=0.0, tp=0.0, cp=0.0, ep=0.0)
-        for moe_layer, n in ((False, dense_n), (True, moe_n)):
-            if n:
-                L, *costs = per[moe_layer]
-                out["compute"] += n * L.total
-                out["fwd"] += n * L.fwd
-                out["bwd"] += n * L.bwd
-                for key, cost in zip(("tp", "cp", "ep"), costs):
-                    out[key] += n * cost.exposed
-        if has_head:
-            out["compute"] += head
-            out["fwd"] += head / 3
-            out["bwd"] += 2 * head / 3
-        return out
-
     stages = lay.stages
-    slowest = max((rank_time(*st) for st in stages), key=lambda r: r["compute"] + r["tp"] + r["cp"] + r["ep"])
-    t_layers = slowest["compute"] + slowest["tp"] + slowest["cp"] + slowest["ep"]
+    dense, moe = layer_costs(lay), (layer_costs(lay, True) if m.is_moe else None)
+    head, eta_head = head_time(lay)
+    slowest = max((stage_time(lay, st, dense, moe, head) for st in stages), key=lambda st: st.busy)
     pp_cost = pipeline_cost(lay, 0.0)[1]
-    bubble, _ = pipeline_cost(lay, t_layers + pp_cost.exposed)
-    dp, dp_algorithm = dp_cost(lay, slowest["fwd"], slowest["bwd"])
-    compute = mb * slowest["compute"]
-    time = dict(compute=compute, bubble=bubble, **{f"{k} comm": mb * slowest[k] for k in ("tp", "cp", "ep")},
+    bubble, _ = pipeline_cost(lay, slowest.busy + pp_cost.exposed)
+    dp, dp_algorithm = dp_cost(lay, slowest.fwd, slowest.bwd)
+    compute = mb * slowest.compute
+    time = dict(compute=compute, bubble=bubble, **{f"{k} comm": mb * getattr(slowest, k) for k in ("tp", "cp", "ep")},
                 **{"pp comm": mb * pp_cost.exposed, "dp comm": dp.exposed},
                 stragglers=lay.straggler_sigma * expected_max_normal(lay.gpus) * compute if lay.straggler_sigma
                 else 0.0)
@@ -1147,10 +1173,10 @@ def plan_of(lay: Layout) -> Plan:
     flops = dict(model=fl["model"] * tokens, hardware=fl["hardware"] * tokens)
     denominator = time["total"] * lay.gpus * c.peak
     layers_here = sum(d + x for d, x, _ in stages) / lay.pp
-    comm = dict(tp=mb * layers_here * per[False][1].sent, cp=mb * layers_here * per[False][2].sent,
-                ep=mb * max(sum(x for _, x, _ in stages) / lay.pp, 0) * (per[True][3].sent if m.is_moe else 0.0),
+    comm = dict(tp=mb * layers_here * dense.tp.sent, cp=mb * layers_here * dense.cp.sent,
+                ep=mb * max(sum(x for _, x, _ in stages) / lay.pp, 0) * (moe.ep.sent if moe else 0.0),
                 pp=mb * pp_cost.sent, dp=dp.sent)
-    eta = {k: kernel_efficiency(c, layer_size(lay, k), lay.efficiency) for k in per}
+    eta = {k: kernel_efficiency(c, layer_size(lay, k), lay.efficiency) for k in (False, True)}
     return Plan(stage_memory(lay), comm, lay.crosses_nodes, time, flops["model"] / denominator,
                 flops["hardware"] / denominator, lay.gpus, flops,
                 dict(dense=eta[False], moe=eta[True] if m.is_moe else None, head=eta_head), mb, lay.partner,

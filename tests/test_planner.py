@@ -689,6 +689,11 @@ def test_the_plan_is_the_sum_of_its_pieces():
     assert P.cp_cost(lay, L) == P.Cost(0.0, 0.0) and P.ep_cost(lay, L) == P.Cost(0.0, 0.0)
     assert P.pipeline_cost(lay, 1.0) == (0.0, P.Cost(0.0, 0.0))
     assert pl.memory_bytes == P.stage_memory(lay)
+    costs = P.layer_costs(lay)
+    assert costs.time == L and costs.tp == tp and costs.ep == P.Cost(0.0, 0.0)
+    stage = P.stage_time(lay, lay.stages[0], costs, None, head)
+    assert lay.stages == [(16, 0, True)] and stage.compute == pytest.approx(16 * L.total + head)
+    assert stage.busy == pytest.approx(stage.compute + 16 * tp.exposed)
     assert P.plan(m, cluster, tp=8, sp=True, dp=2, global_batch=4, efficiency=0.5, seq_len=1024,
                   tp_overlap="none", dp_overlap=False).time == pl.time
     # a Layout refuses what plan refuses, in the same words
