@@ -6,7 +6,8 @@
 * :func:`ring_all_reduce` is the same ring written with real ``torch.distributed``
   send/recv, so that :mod:`intralayer.comm`'s accounting counts the bytes it sends.
 * :func:`collective_time` is the α–β (latency–bandwidth) cost model; :func:`fit_alpha_beta`
-  fits it to measured times; :data:`LINKS` holds link bandwidths with their sources.
+  fits it to measured times; :data:`LINKS` (from :mod:`intralayer.hardware`) holds link bandwidths
+  with their sources.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .comm import bus_factor
+from .hardware import LINKS, Link  # noqa: F401  (the links' facts live in intralayer.hardware)
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
@@ -157,23 +159,6 @@ def ring_all_reduce(x, group=None):
 
 
 # ------------------------------------------------------------------ the α–β cost model
-
-@dataclass(frozen=True)
-class Link:
-    """A link's bandwidth one way, per GPU, in bytes/s, and where the figure comes from."""
-
-    bandwidth: float
-    source: str
-
-
-#: One-way bandwidth per GPU. NVLink's 900 GB/s is the two directions together.
-LINKS = {
-    "NVLink 4 (H100 SXM)": Link(450e9, "NVIDIA H100 datasheet: 900 GB/s NVLink per GPU, both directions"),
-    "InfiniBand NDR (1 NIC)": Link(50e9, "NVIDIA ConnectX-7 / NDR: 400 Gb/s per port"),
-    "NVLink 5 (GB200 NVL72)": Link(900e9, "NVIDIA GB200 NVL72: 1.8 TB/s NVLink per GPU, both directions, 72 GPUs"),
-    "PCIe 5.0 x16": Link(63e9, "PCI-SIG PCIe 5.0: 32 GT/s × 16 lanes, 128b/130b coding"),
-}
-
 
 def steps(op: str, n: int) -> int:
     """Latency-bound steps of the ring algorithm (pairwise exchange for all-to-all)."""

@@ -71,12 +71,12 @@ import math
 from dataclasses import dataclass
 
 from . import moe
-from .collectives import LINKS, nccl_time
+from .collectives import nccl_time
 from .comm import bus_factor
 from .context_parallel import cp_costs, n_chunks
 from .memory import RECOMPUTE, activation_terms
 from .rules import check_mesh, whole as _whole
-from .tensor_parallel import H100_BF16_PEAK
+from .hardware import A100_BF16_PEAK, GB200_BF16_PEAK, H100_BF16_PEAK, LINKS
 
 
 # ---------------------------------------------------------------------------- models
@@ -202,8 +202,9 @@ class Cluster:
     net_overhead_us: float = 1.0  # NCCL's network overhead per step (getNetOverhead: 1 µs Intel x86, 2 AMD)
 
 
-_NVLINK4, _NDR, _NVLINK5 = (LINKS[k].bandwidth for k in ("NVLink 4 (H100 SXM)", "InfiniBand NDR (1 NIC)",
-                                                          "NVLink 5 (GB200 NVL72)"))
+_NVLINK4, _NDR, _NVLINK5, _NVLINK3, _HDR = (
+    LINKS[k].bandwidth for k in ("NVLink 4 (H100 SXM)", "InfiniBand NDR (1 NIC)", "NVLink 5 (GB200 NVL72)",
+                                 "NVLink 3 (A100 SXM)", "InfiniBand HDR (1 NIC)"))
 _H100 = "1024× H100 (128 nodes of 8, InfiniBand)"
 _A100 = "A100 cluster (nodes of 8, InfiniBand HDR)"
 _H800 = "2048× H800 (DeepSeek-V3's cluster)"
@@ -212,7 +213,7 @@ CLUSTERS = {
                    source="NVIDIA H100 datasheet (80 GB, 989 TFLOP/s dense bf16, 1979 FP8, 900 GB/s NVLink both "
                           "ways); ConnectX-7 NDR 400 Gb/s, one NIC per GPU",
                    generation="Hopper", fp8_peak=2 * H100_BF16_PEAK, sms=132),
-    _A100: Cluster(_A100, gpus=4096, gpus_per_node=8, memory=80e9, intra=300e9, inter=25e9, peak=312e12,
+    _A100: Cluster(_A100, gpus=4096, gpus_per_node=8, memory=80e9, intra=_NVLINK3, inter=_HDR, peak=A100_BF16_PEAK,
                    source="NVIDIA A100 datasheet: 80 GB, 312 TFLOP/s dense bf16, 600 GB/s NVLink both ways; 108 "
                           "SMs (CUDA deviceQuery, A100-SXM4-80GB); HDR InfiniBand 200 Gb/s, one NIC per GPU (Selene: 8 per "
                           "node); DGX A100 nodes have two AMD EPYC 7742 CPUs (DGX A100 datasheet), for which NCCL "
@@ -224,7 +225,7 @@ CLUSTERS = {
                    generation="Hopper", fp8_peak=2 * H100_BF16_PEAK, sms=132),
     "GB200 NVL72 (one rack)": Cluster(
         "GB200 NVL72 (one rack)", gpus=72, gpus_per_node=72, memory=186e9, intra=_NVLINK5, inter=_NDR,
-        peak=2.5e15, source="NVIDIA GB200 NVL72 (vendor figures): about 13.4 TB of HBM3e over 72 GPUs, "
+        peak=GB200_BF16_PEAK, source="NVIDIA GB200 NVL72 (vendor figures): about 13.4 TB of HBM3e over 72 GPUs, "
                             "1.8 TB/s NVLink per GPU, 2.5 PFLOP/s dense bf16 per GPU",
         generation="Blackwell"),
 }

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from . import comm
 from .collectives import LINKS, collective_time
+from .hardware import H100_BF16_PEAK, NVLINK_DOMAIN  # noqa: F401  (GPU facts live in intralayer.hardware)
 from .model import Attention, Block, TinyGPT
 from .rules import check_group_device as _check_group_device, check_like, check_shape, whole as _whole
 
@@ -163,15 +164,6 @@ def block_costs(s: int, b: int, h: int, heads: int, t: int, itemsize: int = 2, f
     return dict(weights=split + replicated, weight_bytes=(split + replicated) * itemsize,
                 forward_flops=flops, step_flops=3 * flops, allreduce_S=S,
                 allreduces=4, sent=4 * sent)
-
-
-#: GPUs that one NVLink domain joins, for the NVLink links of :data:`intralayer.collectives.LINKS`.
-#: An HGX/DGX H100 server joins 8 H100 GPUs through NVSwitch; a GB200 NVL72 rack joins 72.
-#: A tensor-parallel group on such a link must fit in one domain. (NVIDIA's NVLink Switch
-#: System stretches NVLink 4 across servers, up to 256 GPUs in a DGX GH200; not modelled.)
-NVLINK_DOMAIN = {"NVLink 4 (H100 SXM)": 8, "NVLink 5 (GB200 NVL72)": 72}
-#: H100 SXM dense bf16 peak, FLOP/s (NVIDIA H100 datasheet).
-H100_BF16_PEAK = 989e12
 
 
 def check_link_degree(t: int, link: str) -> None:
