@@ -285,10 +285,13 @@ def report(d, a, res, every) -> None:
     sbh, item = a.s * a.b * a.h, 4
     print(f"\nOne block's collectives on rank 0, next to Megatron's formula (S = s·b·h × {item} bytes = "
           f"{sbh} × {item} = {sbh * item} bytes):")
-    print(f"{'phase':9} {'label':16} {'op':10} {'S bytes':>8} {'sent by this rank':>17}   formula 2(t−1)/t·S")
+    # S is what the recorder saw the collective carry; the bytes sent are the ring model's 2(t−1)/t·S (gloo's
+    # and NCCL's own messages inside a collective are not visible to it), so they are labelled as a model.
+    print(f"{'phase':9} {'label':16} {'op':10} {'S recorded':>10} {'S formula':>9}   ring model: sent 2(t−1)/t·S")
     for rec in res["block"]["acc"].records:
-        print(f"{rec.phase:9} {rec.label:16} {rec.op:10} {rec.bytes:8d} {rec.sent:17.0f}   "
-              f"{bus_factor('all_reduce', t) * sbh * item:.0f}")
+        if rec.bytes != sbh * item:
+            raise AssertionError(f"{rec.label}: the recorder saw S = {rec.bytes} bytes, Megatron's formula says {sbh * item}")
+        print(f"{rec.phase:9} {rec.label:16} {rec.op:10} {rec.bytes:10d} {sbh * item:9d}   {rec.sent:.0f}")
     acc = res["tiny GPT (loss)"]["acc"]
     ce = [r for r in acc.records if r.label.startswith("ce")]
     gather = bus_factor("all_gather", t) * a.s * a.b * a.vocab * item
