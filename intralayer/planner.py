@@ -40,7 +40,8 @@ It is built from pieces, each a function of one checked :class:`Layout`: :func:`
   when ``fp8``), plus the communication that is not hidden:
 
   * tensor parallelism: 4 collectives of ``s·b·h`` per layer and micro-batch (6 with full
-    recomputation), ring bytes ``2(t−1)/t`` (chapter 02); exposed, or the backward ones
+    recomputation; with sequence parallelism each a reduce-scatter and an all-gather, and 2 more
+    all-gathers backward, chapter 03), ring bytes ``2(t−1)/t`` (chapter 02); exposed, or the backward ones
     hidden behind the weight-gradient products (``tp_overlap="backward"``, as Korthikanti
     et al. describe Megatron-LM), or each reduce-scatter and all-gather behind the one product beside it
     (``"all"``, Transformer Engine's overlap, chapter 07);
@@ -695,6 +696,9 @@ class Layout:
                 raise ValueError(f"{what} must be one of {allowed}, got {value!r}")
         if self.schedule == "dualpipe" and (pp % 2 or vpp > 1):
             raise ValueError(f"DualPipe needs an even number of stages and no virtual stages (pp={pp}, vpp={vpp})")
+        if self.tp_overlap == "all" and self.tp > 1 and not self.sp:
+            raise ValueError("tp_overlap='all' overlaps reduce-scatters and all-gathers with their products: it needs "
+                             "sequence parallelism (sp=True), as Megatron-LM's --tp-comm-overlap asserts")
         a = self.attention_efficiency
         if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 < a <= 1):
             raise ValueError(f"attention_efficiency must lie in (0, 1], got {a!r}")
@@ -901,7 +905,7 @@ def tp_products(lay: Layout, moe_layer: bool = False) -> list[float]:
     under ``tp_overlap="all"``: the gather before a column-parallel product feeds it, the reduction after a
     row-parallel one follows it (Transformer Engine's userbuffers overlap, chapter 07) — attention's
     q·k·v and output projections, then the MLP's first matrices and its last (an MoE layer with whole
-    experts: attention's only)."""
+    experts: attention's only; with split experts, none for theirs)."""
     m, N, tp = lay.model, lay.tokens, lay.tp
     lp = layer_params(m)
     n = layer_size(lay, moe_layer)
@@ -909,37 +913,44 @@ def tp_products(lay: Layout, moe_layer: bool = False) -> list[float]:
     pieces = [lp["attention"] - out_attn, out_attn]
     if not moe_layer:
         pieces += [lp["mlp"] * (m.mlp_matrices - 1) / m.mlp_matrices, lp["mlp"] / m.mlp_matrices]
-    elif lay.etp > 1:                              # split experts: gate and up, then down (3 matrices each)
-        routed = m.top_k * lp["expert"] * lay.ep_imbalance + lp["shared"]
-        pieces += [routed * 2 / 3, routed / 3]
+    elif lay.etp > 1:          # split experts: their collectives run in the token dispatcher, outside TE's
+        pieces += [0.0, 0.0]   # userbuffers, so nothing hides them here
     return [gemm_seconds(lay, 2 * N * p / tp, n) for p in pieces]
 
 
 def tp_cost(lay: Layout, L: LayerTime, moe_layer: bool = False) -> Cost:
     """Tensor parallelism per layer and micro-batch: the all-reduces of ``s·b·h`` (two forward and two
     backward; an MoE layer with whole experts has attention's pair only; full recomputation repeats the
-    forward's), exposed as ``tp_overlap`` says: all of them (``"none"``); the forward's, the backward's
-    hidden behind the weight gradients (``"backward"``); or each half of an all-reduce (its reduce-scatter
-    and its all-gather) behind the one product beside it, forward and backward (``"all"``,
-    :func:`tp_products`)."""
+    forward's) — with sequence parallelism a reduce-scatter and an all-gather each, and in the backward one
+    more all-gather per column-parallel layer, which re-gathers the input its weight gradient needs
+    (Megatron-LM's layout, chapter 03: 1.5× the bytes backward). Exposed as ``tp_overlap`` says: all of
+    them (``"none"``); the forward's, the backward's pair hidden behind the weight gradients and the
+    re-gathers behind the input gradients (``"backward"``); or each reduce-scatter and all-gather behind the
+    one product beside it, as Transformer Engine's userbuffers overlap runs them (``"all"``,
+    :func:`tp_products`): forward, each behind its product; backward, a row-parallel layer's all-gather of
+    the output gradient beside its input-gradient product only (its weight gradient needs what it gathers),
+    a column-parallel layer's re-gather behind its input-gradient product and its reduce-scatter behind its
+    weight-gradient product."""
     tp, e = lay.tp, 2
     if tp == 1:
         return Cost(0.0, 0.0)
     pairs = 1 if (moe_layer and lay.etp == 1) else 2
     one = bus_factor("all_reduce", tp) * lay.tokens * lay.model.hidden * e
-    fwd_c = pairs * one / lay.bandwidth("tp")
+    regather = pairs * one / 2 if lay.sp else 0.0        # one all-gather of s·b·h per column-parallel layer
+    bw = lay.bandwidth("tp")
+    fwd_c = pairs * one / bw
     passes = 3 if lay.recompute == "full" else 2
     if lay.tp_overlap == "none":
-        exposed = passes * fwd_c
+        exposed = passes * fwd_c + regather / bw
     elif lay.tp_overlap == "backward":
-        exposed = (passes - 1) * fwd_c + max(0.0, fwd_c - L.bwd / 2)                    # behind the weight gradients
+        exposed = (passes - 1) * fwd_c + max(0.0, fwd_c - L.bwd / 2) + max(0.0, regather / bw - L.bwd / 2)
     else:
-        half = one / lay.bandwidth("tp") / 2                 # a reduce-scatter or an all-gather: half an all-reduce
-        products = tp_products(lay, moe_layer)
+        half = one / bw / 2                                  # a reduce-scatter or an all-gather: half an all-reduce
+        products = tp_products(lay, moe_layer)               # column, row, column, row
         forward = sum(max(0.0, half - t) for t in products)
-        backward = sum(max(0.0, half - 2 * t) for t in products)             # input and weight gradients
+        backward = sum((2 if k % 2 == 0 else 1) * max(0.0, half - t) for k, t in enumerate(products))
         exposed = (passes - 1) * forward + backward
-    return Cost(passes * pairs * one, exposed)
+    return Cost(passes * pairs * one + regather, exposed)
 
 
 def cp_cost(lay: Layout, L: LayerTime) -> Cost:

@@ -275,25 +275,35 @@ def test_uneven_stages_put_the_head_on_the_last():
 
 
 def test_tensor_parallel_overlap_rules():
-    """none: every collective exposed; backward: the backward pair hides behind the weight
-    gradients (half the backward, as long as the forward); all: each half of an all-reduce behind the
-    one product beside it (q·k·v, output, fc1, fc2), not behind the whole layer."""
+    """With sequence parallelism each all-reduce is a reduce-scatter and an all-gather, and the backward
+    re-gathers the two column layers' inputs (half an all-reduce's bytes each). none: everything exposed;
+    backward: the backward pair hides behind the weight gradients and the re-gathers behind the input
+    gradients (each half the backward); all: each reduce-scatter and all-gather behind the one product
+    beside it (q·k·v, output, fc1, fc2), Transformer Engine's way, not behind the whole layer."""
     kw = dict(tp=8, sp=True, dp=2, global_batch=2, dp_overlap=False)
     none, back, every = (_tiny(tp_overlap=o, **kw) for o in ("none", "backward", "all"))
     per_pair = 2 * P.bus_factor("all_reduce", 8) * 1024 * 1024 * 2 / H100.intra       # 2 all-reduces of s·b·h
+    regather = per_pair / 2                                                          # 2 all-gathers of s·b·h
     h, s = 1024, 1024                                                                # one layer's forward:
     fwd = (2 * s * 12 * h * h / 8 + 2 * s * s * 8 * 256 / 8 / 2) / (H100.peak * 0.5)    # products, causal half
-    assert none.time["tp comm"] == pytest.approx(16 * 2 * per_pair)
-    assert back.time["tp comm"] == pytest.approx(16 * (per_pair + max(0, per_pair - fwd)))
+    assert none.time["tp comm"] == pytest.approx(16 * (2 * per_pair + regather))
+    assert back.time["tp comm"] == pytest.approx(16 * (per_pair + max(0, per_pair - fwd) + max(0, regather - fwd)))
     half = per_pair / 4                                       # one reduce-scatter or all-gather of s·b·h
     products = [p / 8 * 2 * s / (H100.peak * 0.5) for p in (3 * h * h, h * h, 4 * h * h, 4 * h * h)]
-    assert every.time["tp comm"] == pytest.approx(16 * sum(max(0, half - t) + max(0, half - 2 * t) for t in products))
+    forward = sum(max(0, half - t) for t in products)
+    backward = sum((2, 1, 2, 1)[k] * max(0, half - t) for k, t in enumerate(products))   # column, row, column, row
+    assert every.time["tp comm"] == pytest.approx(16 * (forward + backward))
     assert every.time["tp comm"] > 0                          # the output projection is too small to hide it
     whole_layer = 16 * (max(0, per_pair - fwd) + max(0, per_pair - 2 * fwd))          # the old, generous rule
     assert every.time["tp comm"] > whole_layer
     assert none.time["tp comm"] > back.time["tp comm"] > every.time["tp comm"]
+    assert none.comm_bytes["tp"] == pytest.approx(16 * 1.25 * 2 * per_pair * H100.intra)   # SP: 1.25× TP's bytes
+    plain = _tiny(tp_overlap="none", **dict(kw, sp=False))
+    assert plain.comm_bytes["tp"] == pytest.approx(16 * 2 * per_pair * H100.intra)
     full = _tiny(tp_overlap="none", recompute="full", **kw)
-    assert full.time["tp comm"] == pytest.approx(16 * 3 * per_pair)     # the recomputed forward's pair again
+    assert full.time["tp comm"] == pytest.approx(16 * (3 * per_pair + regather))   # the recomputed forward again
+    with pytest.raises(ValueError, match="needs sequence parallelism"):
+        _tiny(tp_overlap="all", **dict(kw, sp=False))
 
 
 _TINY_PARAMS = 16 * (4 * 1024 ** 2 + 2 * 1024 * 4096 + 2 * 1024) + 2 * 1024 * 1024
@@ -680,7 +690,7 @@ def test_the_plan_is_the_sum_of_its_pieces():
     assert L.bwd == 2 * L.fwd and L.again == 0 and L.total == 3 * L.fwd
     tp = P.tp_cost(lay, L)
     one = P.bus_factor("all_reduce", 8) * 1024 * 1024 * 2                 # s·b·h bf16, ring bytes
-    assert tp.sent == 4 * one and tp.exposed == pytest.approx(4 * one / H100.intra)
+    assert tp.sent == 5 * one and tp.exposed == pytest.approx(5 * one / H100.intra)   # SP: 2 re-gathers backward
     head, _ = P.head_time(lay)
     assert lay.micro_batches == 2 and pl.time["compute"] == pytest.approx(2 * (16 * L.total + head))
     assert pl.time["tp comm"] == pytest.approx(2 * 16 * tp.exposed)

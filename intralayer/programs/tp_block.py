@@ -295,7 +295,7 @@ def report(d, a, res, every) -> None:
     acc = res["tiny GPT (loss)"]["acc"]
     ce = [r for r in acc.records if r.label.startswith("ce")]
     gather = bus_factor("all_gather", t) * a.s * a.b * a.vocab * item
-    print(f"\nTiny GPT, one step: {acc.count()} collectives, {acc.sent():.0f} bytes sent by rank 0. "
+    print(f"\nTiny GPT, one step: {acc.count()} collectives, {acc.sent():.0f} bytes sent by rank 0 (ring model). "
           f"The cross-entropy's share: {len(ce)} all-reduces of s·b = {a.s * a.b} numbers, "
           f"{sum(r.sent for r in ce):.0f} bytes;\ngathering the (s, b, v) logits instead would send "
           f"{gather:.0f} bytes ({gather / sum(r.sent for r in ce):.0f}× more).")
