@@ -4,7 +4,8 @@ Every formula is one the earlier chapters built or measured, extended where a re
 training system needs it, and held against published training runs (:data:`RECORD`).
 It is built from pieces, each a function of one checked :class:`Layout`: :func:`stage_memory`,
 :func:`layer_time`, :func:`tp_cost`, :func:`cp_cost`, :func:`ep_cost`, :func:`pipeline_cost` and
-:func:`dp_cost`; :func:`plan` makes the Layout and :func:`plan_of` adds the pieces up.
+:func:`dp_cost` (with :func:`tp_products`, :func:`layer_costs` and :func:`stage_time` between them);
+:func:`plan` makes the Layout and :func:`plan_of` adds the pieces up.
 
 - **FLOPs** as Narayanan et al. 2021 count them (eq. 3 and its appendix): per token, 6 per
   multiply-add parameter of the layers' and the output head's matrix products, plus
@@ -696,6 +697,11 @@ class Layout:
                 raise ValueError(f"{what} must be one of {allowed}, got {value!r}")
         if self.schedule == "dualpipe" and (pp % 2 or vpp > 1):
             raise ValueError(f"DualPipe needs an even number of stages and no virtual stages (pp={pp}, vpp={vpp})")
+        if self.grad_bytes not in (2, 4):
+            raise ValueError(f"grad_bytes must be 2 (bf16) or 4 (fp32), got {self.grad_bytes!r}")
+        _whole(self.optimizer_bytes, "optimizer_bytes", minimum=0)
+        if self.node_limit is not None:
+            _whole(self.node_limit, "node_limit")
         if self.tp_overlap == "all" and self.tp > 1 and not self.sp:
             raise ValueError("tp_overlap='all' overlaps reduce-scatters and all-gathers with their products: it needs "
                              "sequence parallelism (sp=True), as Megatron-LM's --tp-comm-overlap asserts")
@@ -1148,13 +1154,13 @@ def layer_costs(lay: Layout, moe_layer: bool = False) -> LayerCosts:
     return LayerCosts(L, tp_cost(lay, L, moe_layer), cp_cost(lay, L), ep_cost(lay, L) if moe_layer else Cost(0.0, 0.0))
 
 
-def stage_time(lay: Layout, layers: tuple[int, int, bool], dense: LayerCosts, moe: LayerCosts | None,
+def stage_time(layers: tuple[int, int, bool], dense: LayerCosts, moe_costs: LayerCosts | None,
                head: float) -> StageTime:
     """A stage of ``(dense layers, MoE layers, holds the head)`` (:attr:`Layout.stages`): its layers'
     pieces (:func:`layer_costs`, dense and MoE) and the head's time (:func:`head_time`) added up."""
     dense_n, moe_n, has_head = layers
     compute = fwd = bwd = tp = cp = ep = 0.0
-    for n, pieces in ((dense_n, dense), (moe_n, moe)):
+    for n, pieces in ((dense_n, dense), (moe_n, moe_costs)):
         if n:
             L = pieces.time
             compute, fwd, bwd = compute + n * L.total, fwd + n * L.fwd, bwd + n * L.bwd
@@ -1168,9 +1174,9 @@ def plan_of(lay: Layout) -> Plan:
     """:func:`plan` of a :class:`Layout`: its pieces added up for the slowest pipeline stage."""
     m, c, mb = lay.model, lay.cluster, lay.micro_batches
     stages = lay.stages
-    dense, moe = layer_costs(lay), (layer_costs(lay, True) if m.is_moe else None)
+    dense, moe_costs = layer_costs(lay), (layer_costs(lay, True) if m.is_moe else None)
     head, eta_head = head_time(lay)
-    slowest = max((stage_time(lay, st, dense, moe, head) for st in stages), key=lambda st: st.busy)
+    slowest = max((stage_time(st, dense, moe_costs, head) for st in stages), key=lambda st: st.busy)
     pp_cost = pipeline_cost(lay, 0.0)[1]
     bubble, _ = pipeline_cost(lay, slowest.busy + pp_cost.exposed)
     dp, dp_algorithm = dp_cost(lay, slowest.fwd, slowest.bwd)
@@ -1186,7 +1192,7 @@ def plan_of(lay: Layout) -> Plan:
     denominator = time["total"] * lay.gpus * c.peak
     layers_here = sum(d + x for d, x, _ in stages) / lay.pp
     comm = dict(tp=mb * layers_here * dense.tp.sent, cp=mb * layers_here * dense.cp.sent,
-                ep=mb * max(sum(x for _, x, _ in stages) / lay.pp, 0) * (moe.ep.sent if moe else 0.0),
+                ep=mb * max(sum(x for _, x, _ in stages) / lay.pp, 0) * (moe_costs.ep.sent if moe_costs else 0.0),
                 pp=mb * pp_cost.sent, dp=dp.sent)
     eta = {k: kernel_efficiency(c, layer_size(lay, k), lay.efficiency) for k in (False, True)}
     return Plan(stage_memory(lay), comm, lay.crosses_nodes, time, flops["model"] / denominator,

@@ -701,7 +701,7 @@ def test_the_plan_is_the_sum_of_its_pieces():
     assert pl.memory_bytes == P.stage_memory(lay)
     costs = P.layer_costs(lay)
     assert costs.time == L and costs.tp == tp and costs.ep == P.Cost(0.0, 0.0)
-    stage = P.stage_time(lay, lay.stages[0], costs, None, head)
+    stage = P.stage_time(lay.stages[0], costs, None, head)
     assert lay.stages == [(16, 0, True)] and stage.compute == pytest.approx(16 * L.total + head)
     assert stage.busy == pytest.approx(stage.compute + 16 * tp.exposed)
     assert P.plan(m, cluster, tp=8, sp=True, dp=2, global_batch=4, efficiency=0.5, seq_len=1024,
@@ -709,6 +709,10 @@ def test_the_plan_is_the_sum_of_its_pieces():
     # a Layout refuses what plan refuses, in the same words
     with pytest.raises(ValueError, match="not divisible by tp=3|does not divide"):
         P.Layout(m, cluster, tp=3)
+    for bad, words in ((dict(grad_bytes=3), "grad_bytes must be 2"), (dict(optimizer_bytes=-5), "optimizer_bytes"),
+                       (dict(node_limit=-2), "node_limit")):
+        with pytest.raises(ValueError, match=words):
+            P.Layout(m, cluster, **bad)
     piped = P.Layout(m, cluster, tp=8, pp=2, global_batch=8, efficiency=0.5, seq_len=1024)
     bubble, p2p = P.pipeline_cost(piped, 2.0)
     assert bubble == pytest.approx(2.0) and p2p.sent == 2 * 1024 * 1024 * 2
