@@ -21,6 +21,12 @@ run equals the dense one only when both draw the same masks: see ``generator`` b
   dropout, weighted sum — so that every tensor the paper counts is really kept.
 - ``recompute``: ``"selective"`` recomputes the attention core in the backward pass,
   ``"full"`` the whole block (:func:`checkpoint`).
+
+``kv_heads`` (default: ``heads``) gives grouped-query attention (Ainslie et al. 2023): the
+``heads`` query heads form ``kv_heads`` groups of consecutive heads, and every head of group
+g attends with key/value head g; ``kv_heads = 1`` is multi-query attention. The fused
+projection stays laid out ``[q | k | v]``, ``heads·d + 2·kv_heads·d`` wide, as a checkpoint
+that keeps three matrices stacks them (chapter 02 permutes it into Megatron-LM's layout).
 """
 from __future__ import annotations
 
@@ -104,30 +110,61 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     return probs @ v                                                            # (b, heads, s, d)
 
 
+def check_kv_heads(heads: int, kv_heads: int | None) -> int:
+    """The number of key/value heads (``heads`` when None); ``ValueError`` unless it divides ``heads``."""
+    if kv_heads is None:
+        return heads
+    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
+        raise ValueError(f"the number of key/value heads must be a whole number ≥ 1, got {kv_heads!r}")
+    if heads % kv_heads:
+        raise ValueError(f"the number of heads {heads} is not divisible by the number of key/value heads "
+                         f"{kv_heads}: each key/value head serves an equal group of query heads")
+    return kv_heads
+
+
 def attend(qkv: torch.Tensor, heads: int, causal: bool = True, p: float = 0.0, fused: bool = True,
-           recompute: bool = False, generators: list[torch.Generator] | None = None) -> torch.Tensor:
+           recompute: bool = False, generators: list[torch.Generator] | None = None,
+           kv_heads: int | None = None) -> torch.Tensor:
     """Multi-head attention on a fused projection ``[q | k | v]`` of ``heads`` heads.
 
-    ``qkv`` is ``(s, b, 3·heads·d)``; the result is ``(s, b, heads·d)``. Heads never
-    interact, which is what lets tensor parallelism give each rank a subset of them.
-    With ``recompute`` the core (scores, softmax, dropout, weighted sum) keeps nothing
-    for backward but q, k and v, and is run again in the backward pass. ``generators``:
-    see :func:`attention_core`.
+    ``qkv`` is ``(s, b, (heads + 2·kv_heads)·d)`` (``kv_heads`` defaults to ``heads``:
+    ``3·heads·d``); the result is ``(s, b, heads·d)``. Heads never interact, which is
+    what lets tensor parallelism give each rank a subset of them. With ``recompute`` the
+    core (scores, softmax, dropout, weighted sum) keeps nothing for backward but q, k and
+    v, and is run again in the backward pass. ``generators``: see :func:`attention_core`.
     """
     if qkv.dim() != 3:
         raise ValueError(f"attention expects activations laid out (s, b, h), got shape {tuple(qkv.shape)}")
-    s, b, width = qkv.shape
-    if width % (3 * heads):
-        raise ValueError(f"a fused q|k|v width {width} is not divisible by 3 × {heads} heads")
-    q, k, v = qkv.chunk(3, dim=-1)                                   # 3 × (s, b, heads·d)
+    kv_heads = check_kv_heads(heads, kv_heads)
+    width = qkv.shape[-1]
+    if width % (heads + 2 * kv_heads):
+        raise ValueError(f"a fused q|k|v width {width} is not divisible by {heads} + 2 × {kv_heads} heads"
+                         if kv_heads != heads else f"a fused q|k|v width {width} is not divisible by 3 × {heads} heads")
+    d = width // (heads + 2 * kv_heads)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)   # (s, b, heads·d), 2 × (s, b, kv·d)
+    return attend_heads(q, k, v, heads, kv_heads, causal, p, fused, recompute, generators)
 
-    def by_head(t):
-        return t.reshape(s, b, heads, -1).permute(1, 2, 0, 3)        # (b, heads, s, d)
+
+def attend_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, kv_heads: int | None = None,
+                 causal: bool = True, p: float = 0.0, fused: bool = True, recompute: bool = False,
+                 generators: list[torch.Generator] | None = None) -> torch.Tensor:
+    """Attention of ``heads`` query heads ``q`` (s, b, heads·d) over ``kv_heads`` heads ``k``, ``v`` (s, b, kv·d).
+
+    Query head j attends with key/value head ``j // (heads/kv_heads)``: the key/value heads
+    are repeated inside the core, so that recomputation keeps only the unrepeated k and v.
+    """
+    kv_heads = check_kv_heads(heads, kv_heads)
+    s, b = q.shape[:2]
+
+    def by_head(t, n):
+        return t.reshape(s, b, n, -1).permute(1, 2, 0, 3)           # (b, n, s, d)
 
     def core(q_, k_, v_):
+        if kv_heads != heads:                                       # (b, kv, s, d) → (b, heads, s, d)
+            k_, v_ = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k_, v_))
         return attention_core(q_, k_, v_, causal, p, fused, generators)
 
-    args = (by_head(q), by_head(k), by_head(v))
+    args = (by_head(q, heads), by_head(k, kv_heads), by_head(v, kv_heads))
     o = checkpoint(core, *args, generators=generators or ()) if recompute else core(*args)   # (b, heads, s, d)
     return o.permute(2, 0, 1, 3).reshape(s, b, -1)                   # (s, b, heads·d)
 
@@ -195,25 +232,28 @@ class MLP(nn.Module):
 class Attention(nn.Module):
     """Causal self-attention with a fused q|k|v projection and an output projection.
 
-    ``generators`` (None: torch's global generator) draws the attention-dropout masks, one
-    generator per equal group of consecutive heads (:func:`attention_core`).
+    ``kv_heads`` (default ``heads``): grouped-query attention, ``[q | k | v]`` of widths
+    ``h``, ``kv_heads·d`` and ``kv_heads·d``. ``generators`` (None: torch's global
+    generator) draws the attention-dropout masks, one generator per equal group of
+    consecutive query heads (:func:`attention_core`).
     """
 
     generators: list[torch.Generator] | None = None
 
     def __init__(self, h: int, heads: int, bias: bool = True, causal: bool = True, dropout: float = 0.0,
-                 fused: bool = True, recompute: bool = False):
+                 fused: bool = True, recompute: bool = False, kv_heads: int | None = None):
         super().__init__()
         if heads < 1 or h % heads:
             raise ValueError(f"hidden size {h} is not divisible by the number of heads {heads}")
         _check_p(dropout)
         self.heads, self.causal, self.p, self.fused, self.recompute = heads, causal, dropout, fused, recompute
-        self.qkv = nn.Linear(h, 3 * h, bias=bias)
+        self.kv_heads = check_kv_heads(heads, kv_heads)
+        self.qkv = nn.Linear(h, h + 2 * self.kv_heads * (h // heads), bias=bias)    # [q | k | v]
         self.proj = nn.Linear(h, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         o = attend(self.qkv(x), self.heads, self.causal, self.p if self.training else 0.0, self.fused,
-                   self.recompute, self.generators)                  # (s, b, heads·d)
+                   self.recompute, self.generators, self.kv_heads)  # (s, b, heads·d)
         return self.proj(o)                                          # (s, b, h)
 
 
@@ -227,7 +267,7 @@ class Block(nn.Module):
     generator: torch.Generator | None = None
 
     def __init__(self, h: int, heads: int, ffn: int | None = None, causal: bool = True, dropout: float = 0.0,
-                 fused: bool = True, recompute: str = "none"):
+                 fused: bool = True, recompute: str = "none", kv_heads: int | None = None):
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
@@ -235,7 +275,7 @@ class Block(nn.Module):
         self.h, self.p, self.recompute = h, dropout, recompute
         self.ln1 = nn.LayerNorm(h)
         self.attn = Attention(h, heads, causal=causal, dropout=dropout, fused=fused,
-                              recompute=recompute == "selective")
+                              recompute=recompute == "selective", kv_heads=kv_heads)
         self.ln2 = nn.LayerNorm(h)
         self.mlp = MLP(h, ffn)
 
@@ -255,17 +295,18 @@ class Block(nn.Module):
 
 
 def _check_p(p: float) -> None:
-    if not 0 <= p < 1:
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
         raise ValueError(f"dropout probability {p} must lie in [0, 1)")
 
 
 class TinyGPT(nn.Module):
     """Embedding, ``layers`` blocks, a final LayerNorm and an untied LM head: logits (s, b, v)."""
 
-    def __init__(self, vocab: int, h: int, heads: int, layers: int = 1, ffn: int | None = None):
+    def __init__(self, vocab: int, h: int, heads: int, layers: int = 1, ffn: int | None = None,
+                 kv_heads: int | None = None):
         super().__init__()
         self.embed = nn.Embedding(vocab, h)
-        self.blocks = nn.ModuleList(Block(h, heads, ffn) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(h, heads, ffn, kv_heads=kv_heads) for _ in range(layers))
         self.ln_f = nn.LayerNorm(h)
         self.head = nn.Linear(h, vocab, bias=False)
 

@@ -12,7 +12,11 @@ of the weights, so its outputs and gradients can be compared with the dense modu
   is added once, after the sum.
 - :class:`ParallelMLP` — column then row: one all-reduce forward, one backward.
 - :class:`ParallelAttention` — heads split over ranks: q|k|v column-parallel, output
-  projection row-parallel.
+  projection row-parallel. Grouped-query attention (fewer key/value heads than query
+  heads) as Megatron-Core runs it: :class:`QKVParallelLinear` holds the fused projection
+  in Megatron's per-query-group layout (:func:`megatron_qkv_order`); when t exceeds the
+  key/value heads, the ranks sharing a group all-gather its activations, and the
+  all-gather's backward (a reduce-scatter) sums their gradients.
 - :class:`ParallelBlock` — a whole GPT block: 2 all-reduces forward, 2 backward.
 - :class:`VocabParallelEmbedding` and :func:`vocab_parallel_cross_entropy` — the vocabulary
   split over ranks; the ``b·s·v`` logits are never gathered. :func:`padded_vocab_size` is
@@ -42,7 +46,7 @@ import torch.nn.functional as F
 from . import comm
 from .collectives import LINKS, collective_time
 from .hardware import H100_BF16_PEAK, NVLINK_DOMAIN  # noqa: F401  (GPU facts live in intralayer.hardware)
-from .model import Attention, Block, TinyGPT
+from .model import Attention, Block, TinyGPT, attend_heads, check_kv_heads
 from .rules import check_group_device as _check_group_device, check_like, check_shape, whole as _whole
 
 
@@ -56,19 +60,42 @@ def check_divisible(value: int, t: int, what: str) -> None:
 
 
 def check_degrees(t: int, h: int | None = None, heads: int | None = None, ffn: int | None = None,
-                  vocab: int | None = None) -> None:
+                  vocab: int | None = None, kv_heads: int | None = None) -> None:
     """Check every rule tensor parallelism puts on a model before any process starts.
 
     Heads are dealt out whole (each rank attends with ``heads/t`` of them), the hidden,
-    MLP and vocabulary dimensions are split evenly.
+    MLP and vocabulary dimensions are split evenly. With ``kv_heads`` (grouped-query
+    attention; it needs ``heads``), Megatron-Core's rule on the query groups: their number
+    must be a multiple of t (each rank holds ``kv_heads/t`` whole groups) or a divisor of t
+    (``t/kv_heads`` ranks share each group). Shared, the fused q|k|v projection, ``(heads +
+    2·kv_heads)·d`` rows, is still split evenly over the t ranks, so that width must divide
+    by t too.
     """
     _whole(t, "the tensor-parallel degree t")
     if h is not None and heads is not None and _whole(h, "hidden size") % _whole(heads, "number of heads"):
         raise ValueError(f"hidden size {h} is not divisible by the number of heads {heads}")
+    if kv_heads is not None:
+        if heads is None:
+            raise ValueError("the number of key/value heads is checked against the number of heads: pass heads too")
+        check_kv_heads(_whole(heads, "number of heads"), _whole(kv_heads, "number of key/value heads"))
     for value, what in ((h, "hidden size"), (heads, "number of heads"), (ffn, "MLP width"),
                         (vocab, "vocabulary size")):
         if value is not None:
             check_divisible(value, t, what)
+    if kv_heads is None:
+        return
+    if kv_heads % t and t % kv_heads:
+        raise ValueError(f"the number of key/value heads {kv_heads} is neither a multiple nor a divisor of the "
+                         f"tensor-parallel degree t={t}: a rank must hold whole key/value heads (t divides "
+                         f"them) or share one with other ranks ({kv_heads} divides t), as Megatron-Core requires "
+                         "of its query groups")
+    if t > kv_heads and h is not None:
+        d = h // heads
+        width = (heads + 2 * kv_heads) * d
+        if width % t:
+            raise ValueError(f"the fused q|k|v width (heads + 2·kv_heads)·d = ({heads} + 2·{kv_heads})·{d} = {width} "
+                             f"is not divisible by the tensor-parallel degree t={t}: with fewer key/value heads "
+                             "than ranks, the fused projection is still split evenly over the ranks")
 
 
 #: Megatron-LM's ``--make-vocab-size-divisible-by`` default: each rank's vocabulary slice
@@ -139,31 +166,45 @@ def linear_costs(m: int, h_in: int, h_out: int, t: int, split: str, itemsize: in
                 forward_S=fwd_S, forward_sent=ar * fwd_S, backward_S=bwd_S, backward_sent=ag * bwd_S)
 
 
-def block_costs(s: int, b: int, h: int, heads: int, t: int, itemsize: int = 2, ffn: int | None = None) -> dict:
+def block_costs(s: int, b: int, h: int, heads: int, t: int, itemsize: int = 2, ffn: int | None = None,
+                kv_heads: int | None = None) -> dict:
     """One GPT block with tensor parallelism t: weights, FLOPs and communication per device.
 
-    - weights: q|k|v and output projections (4h² + 4h biases) and the MLP (2·h·ffn +
-      ffn + h) split t ways, the row layers' biases and the two LayerNorms (4h)
-      replicated — exactly the parameters of :class:`ParallelBlock` on one rank.
-    - forward FLOPs per device: 2 per multiply-add of the four matmuls, 2·s·b·h·(4h +
+    - weights: the q|k|v projection (h·w + w, with w = h + 2·kv_heads·d: 3h² + 3h without
+      grouped-query attention), the output projection (h²) and the MLP (2·h·ffn + ffn)
+      split t ways, the row layers' biases and the two LayerNorms (4h) replicated —
+      exactly the parameters of :class:`ParallelBlock` on one rank.
+    - forward FLOPs per device: 2 per multiply-add of the four matmuls, 2·s·b·h·(w + h +
       2·ffn), plus attention's scores and weighted sum, 4·b·s²·h; all divided by t. With
-      ffn = 4h that is 24bsh² + 4bs²h (Narayanan et al. 2021). Backward costs twice the
-      forward.
+      ffn = 4h and no grouping that is 24bsh² + 4bs²h (Narayanan et al. 2021). Backward
+      costs twice the forward.
+    - ``kv_bytes``: the keys and values one device computes for the layer, 2·s·b·d times
+      its key/value heads (kv_heads/t, or 1 when t > kv_heads: a shared head is held whole
+      by every rank that shares it) — per layer, what an inference KV cache stores.
     - communication: Megatron's 2 all-reduces forward and 2 backward of S = s·b·h
-      numbers; a ring sends 2(t−1)/t·S bytes per device for each.
+      numbers; a ring sends 2(t−1)/t·S bytes per device for each. With t > kv_heads,
+      Megatron-Core adds an all-gather of the projection's output (S = s·b·w numbers)
+      forward and its reduce-scatter backward, (t−1)/t·S each (``gathers``, ``gather_S``).
     """
     ffn = 4 * h if ffn is None else ffn
-    check_degrees(t, h=h, heads=heads, ffn=ffn)
+    kv = heads if kv_heads is None else kv_heads
+    check_degrees(t, h=h, heads=heads, ffn=ffn, kv_heads=kv)
     for value, what in ((s, "sequence length s"), (b, "micro-batch b"), (itemsize, "itemsize")):
         _whole(value, what)
-    split = (4 * h * h + 3 * h + 2 * h * ffn + ffn) // t          # qkv (+bias), proj, fc1 (+bias), fc2
+    d = h // heads
+    w = h + 2 * kv * d                                             # the fused q|k|v width
+    split = (h * w + w + h * h + 2 * h * ffn + ffn) // t           # qkv (+bias), proj, fc1 (+bias), fc2
     replicated = 2 * h + 4 * h                                     # proj and fc2 biases; 2 LayerNorms
-    flops = (2 * s * b * h * (4 * h + 2 * ffn) + 4 * b * s * s * h) / t
+    flops = (2 * s * b * h * (w + h + 2 * ffn) + 4 * b * s * s * h) / t
     S = s * b * h * itemsize
     sent = comm.bus_factor("all_reduce", t) * S
+    gathers = 2 if t > kv else 0                                   # all-gather forward, reduce-scatter backward
+    gather_S = s * b * w * itemsize if gathers else 0
     return dict(weights=split + replicated, weight_bytes=(split + replicated) * itemsize,
                 forward_flops=flops, step_flops=3 * flops, allreduce_S=S,
-                allreduces=4, sent=4 * sent)
+                allreduces=4, gathers=gathers, gather_S=gather_S,
+                kv_bytes=2 * s * b * max(kv // t, 1) * d * itemsize,
+                sent=4 * sent + gathers * comm.bus_factor("all_gather", t) * gather_S)
 
 
 def check_link_degree(t: int, link: str) -> None:
@@ -331,6 +372,57 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def megatron_qkv_order(heads: int, kv_heads: int, d: int) -> torch.Tensor:
+    """Row indices that turn a ``[q | k | v]`` projection into Megatron-Core's per-query-group layout.
+
+    Megatron-Core lays its fused ``linear_qkv`` out as ``[ng, (np/ng + 2), hn]``: for each of
+    the ng query groups, its np/ng query heads, then its key head, then its value head —
+    ``q0 q1 k0 v0 | q2 q3 k1 v1`` for 4 heads in 2 groups (``attention.py``,
+    ``get_query_key_value_tensors``). ``weight[order]`` is that layout: what a checkpoint
+    converter does to a checkpoint that keeps ``q``, ``k`` and ``v`` apart. Each head is
+    ``d`` rows; without grouping (``kv_heads == heads``) the layout is ``q0 k0 v0 | q1 k1 v1 …``.
+    """
+    kv_heads = check_kv_heads(_whole(heads, "number of heads"), _whole(kv_heads, "number of key/value heads"))
+    _whole(d, "head dimension d")
+    per = heads // kv_heads
+    q, k, v = torch.arange((heads + 2 * kv_heads) * d).split([heads * d, kv_heads * d, kv_heads * d])
+    return torch.cat([q.view(kv_heads, per * d), k.view(kv_heads, d), v.view(kv_heads, d)], dim=1).flatten()
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The fused q|k|v projection in Megatron-Core's per-group layout, split into t equal row blocks.
+
+    ``from_dense`` permutes the dense ``[q | k | v]`` rows (:func:`megatron_qkv_order`) and
+    gives rank r the r-th of t equal blocks, as Megatron's ``ColumnParallelLinear`` splits
+    ``linear_qkv``. With t ≤ kv_heads that is kv_heads/t whole groups; with t > kv_heads,
+    a 1/(t/kv_heads) piece of one group, which may hold only queries, or only the group's
+    key and value rows: :class:`ParallelAttention` then gathers the group.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, order: torch.Tensor,
+                 label: str = "qkv"):
+        super().__init__(weight, bias, group, label=label)
+        self.order = order                                          # dense row of each per-group row
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, group, heads: int, kv_heads: int,
+                   label: str = "qkv") -> "QKVParallelLinear":
+        t, r = degree(group)
+        if linear.out_features % (heads + 2 * kv_heads):
+            raise ValueError(f"{linear.out_features} output features are not {heads} query heads and "
+                             f"2 × {kv_heads} key/value heads of one width")
+        check_divisible(linear.out_features, t, "the fused q|k|v width")
+        order = megatron_qkv_order(heads, kv_heads, linear.out_features // (heads + 2 * kv_heads))
+        order = order.to(linear.weight.device)
+        weight = linear.weight.detach()[order].chunk(t, dim=0)[r].clone()              # (w/t, h)
+        bias = None if linear.bias is None else linear.bias.detach()[order].chunk(t, dim=0)[r].clone()
+        return cls(weight, bias, group, order, label)
+
+    def shard(self, full: torch.Tensor, name: str) -> torch.Tensor:
+        """This rank's rows of a dense ``[q | k | v]`` weight or bias (or of its gradient)."""
+        return full[self.order.to(full.device)].chunk(self.t, dim=0)[self.rank]
+
+
 # ---------------------------------------------------------------------------- MLP, attention, block
 
 class ParallelMLP(nn.Module):
@@ -354,28 +446,77 @@ class ParallelMLP(nn.Module):
 
 
 class ParallelAttention(Attention):
-    """Self-attention with ``heads/t`` heads on each rank: no communication inside attention.
+    """Self-attention with ``heads/t`` query heads on each rank.
 
-    It runs :class:`~intralayer.model.Attention`'s own forward with sharded projections.
+    Multi-head attention: q|k|v column-parallel with each third split t ways (``parts=3``),
+    so rank r holds whole heads and attends with no communication; it runs
+    :class:`~intralayer.model.Attention`'s own forward with sharded projections.
+
+    Grouped-query attention, as Megatron-Core runs it: ``qkv`` is a
+    :class:`QKVParallelLinear` (the per-group layout, t equal row blocks). With t ≤
+    kv_heads each rank holds kv_heads/t whole groups and attends alone. With t > kv_heads,
+    t/kv_heads ranks share each group: :meth:`gather_qkv` all-gathers every rank's slice of
+    the projection's output, and each rank keeps its group's key and value heads and its
+    own heads/t query heads (Megatron-Core's ``get_query_key_value_tensors``). Every rank
+    sharing a key/value head computes a gradient for it; the all-gather's backward, a
+    reduce-scatter, sums them into the rows each rank holds.
     """
 
     def __init__(self, qkv: nn.Module, proj: nn.Module, heads: int, dense: Attention):
         nn.Module.__init__(self)
+        grouped = isinstance(qkv, QKVParallelLinear)
+        if dense.kv_heads != dense.heads and not grouped:
+            raise ValueError(f"grouped-query attention ({dense.heads} heads, {dense.kv_heads} key/value heads) needs "
+                             f"its q|k|v projection in Megatron's per-group layout (QKVParallelLinear), "
+                             f"got {type(qkv).__name__}")
         self.qkv, self.proj, self.heads = qkv, proj, heads
         self.causal, self.p, self.fused, self.recompute = dense.causal, dense.p, dense.fused, dense.recompute
+        self.query_groups, self.head_dim = dense.kv_heads, dense.proj.in_features // dense.heads
+        self.kv_heads = max(dense.kv_heads // qkv.t, 1) if grouped else heads     # this rank's
 
     @classmethod
     def from_dense(cls, attn: Attention, group, label: str = "attn") -> "ParallelAttention":
         t, _ = degree(group)
-        check_degrees(t, h=attn.proj.in_features, heads=attn.heads)
-        return cls(ColumnParallelLinear.from_dense(attn.qkv, group, parts=3, label=f"{label}.qkv"),
-                   RowParallelLinear.from_dense(attn.proj, group, input_is_parallel=True, label=f"{label}.proj"),
-                   attn.heads // t, attn)
+        check_degrees(t, h=attn.proj.in_features, heads=attn.heads, kv_heads=attn.kv_heads)
+        proj = RowParallelLinear.from_dense(attn.proj, group, input_is_parallel=True, label=f"{label}.proj")
+        if attn.kv_heads == attn.heads:
+            qkv = ColumnParallelLinear.from_dense(attn.qkv, group, parts=3, label=f"{label}.qkv")
+        else:
+            qkv = QKVParallelLinear.from_dense(attn.qkv, group, attn.heads, attn.kv_heads, label=f"{label}.qkv")
+        return cls(qkv, proj, attn.heads // t, attn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_shape(x, self.qkv.in_features, type(self).__name__)   # (s, b, h), or (s/t, b, h) under SP
         _same_device(x, self.qkv.weight, type(self).__name__)
-        return super().forward(x)
+        if not isinstance(self.qkv, QKVParallelLinear):
+            return super().forward(x)
+        q, k, v = self.query_key_value(self.qkv(x))                 # (s, b, a/t·d), 2 × (s, b, kv·d)
+        o = attend_heads(q, k, v, self.heads, self.kv_heads, self.causal, self.p if self.training else 0.0,
+                         self.fused, self.recompute, self.generators)           # (s, b, a/t·d)
+        return self.proj(o)                                          # (s, b, h)
+
+    def query_key_value(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's queries and its groups' keys and values, from its slice of the per-group projection."""
+        t, r, groups, d = self.qkv.t, self.qkv.rank, self.query_groups, self.head_dim
+        share = t // groups                                          # ranks per group (0 when t < groups)
+        if share > 1:
+            mixed = self.gather_qkv(mixed)                           # (s, b, (a + 2·a_kv)·d): every group
+            size = mixed.shape[-1] // groups
+            g = r // share                                           # this rank's group
+            mixed = mixed[..., g * size:(g + 1) * size]              # (s, b, (a/a_kv + 2)·d)
+        s, b = mixed.shape[:2]
+        local = max(groups // t, 1)                                  # groups here
+        per = self.heads * t // groups                               # query heads per group
+        q, k, v = mixed.reshape(s, b, local, (per + 2) * d).split([per * d, d, d], dim=-1)
+        q, k, v = (part.reshape(s, b, -1) for part in (q, k, v))     # (s, b, local·per·d), 2 × (s, b, local·d)
+        if share > 1:                                                # the group's queries: keep this rank's a/t
+            i = r % share
+            q = q[..., i * self.heads * d:(i + 1) * self.heads * d]  # (s, b, a/t·d)
+        return q, k, v
+
+    def gather_qkv(self, mixed: torch.Tensor) -> torch.Tensor:
+        """All-gather the ranks' slices of the projection (last dim); backward reduce-scatters the gradient."""
+        return comm.all_gather(mixed, -1, self.qkv.group, f"{self.qkv.label} gather")
 
 
 class ParallelBlock(Block):
@@ -393,7 +534,8 @@ class ParallelBlock(Block):
     @classmethod
     def from_dense(cls, block: Block, group) -> "ParallelBlock":
         t, _ = degree(group)
-        check_degrees(t, h=block.h, heads=block.attn.heads, ffn=block.mlp.fc1.out_features)
+        check_degrees(t, h=block.h, heads=block.attn.heads, ffn=block.mlp.fc1.out_features,
+                      kv_heads=block.attn.kv_heads)
         return cls(copy.deepcopy(block.ln1), ParallelAttention.from_dense(block.attn, group),
                    copy.deepcopy(block.ln2), ParallelMLP.from_dense(block.mlp.fc1, block.mlp.fc2, group), block)
 
@@ -514,13 +656,16 @@ class VocabParallelEmbedding(nn.Module):
     def shard(self, full: torch.Tensor, name: str) -> torch.Tensor:
         return full.chunk(self.t, dim=0)[self.rank]
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        _check_ids(ids, self.vocab, "VocabParallelEmbedding", self.weight.device)
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's partial embedding: its rows for the ids it holds, zeros for the others'."""
+        _check_ids(ids, self.vocab, type(self).__name__, self.weight.device)
         local = ids - self.start
         mine = (local >= 0) & (local < self.weight.shape[0])
         out = F.embedding(torch.where(mine, local, 0), self.weight)   # (s, b, h)
-        out = out * mine.unsqueeze(-1)                                # other ranks' ids → 0
-        return comm.reduce_from_group(out, self.group, "embed g")
+        return out * mine.unsqueeze(-1)                               # other ranks' ids → 0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return comm.reduce_from_group(self.lookup(ids), self.group, "embed g")
 
 
 def _check_ids(ids: torch.Tensor, vocab: int, who: str, device: torch.device | None = None) -> None:

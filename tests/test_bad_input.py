@@ -61,6 +61,17 @@ RULES = [
     ("ffn by t", lambda: tp.check_degrees(2, ffn=7), ["MLP width 7", "t=2"]),
     ("vocab by t", lambda: tp.check_degrees(8, vocab=50257), ["vocabulary size 50257", "t=8"]),
     ("t whole", lambda: tp.check_degrees(0, h=16), ["tensor-parallel degree t", "whole number", "got 0"]),
+    # grouped-query attention: key/value heads a multiple or a divisor of t (Megatron-Core's query groups)
+    ("kv heads by t", lambda: tp.check_degrees(4, h=6144, heads=48, kv_heads=6),
+     ["key/value heads 6", "neither a multiple nor a divisor", "t=4"]),
+    ("heads by kv heads", lambda: tp.check_degrees(2, h=16, heads=4, kv_heads=3),
+     ["number of heads 4", "key/value heads 3"]),
+    ("fused q|k|v by t", lambda: tp.check_degrees(4, h=12, heads=4, kv_heads=1),
+     ["fused q|k|v width", "18", "t=4"]),
+    ("kv heads whole", lambda: tp.check_degrees(2, h=16, heads=4, kv_heads=0),
+     ["number of key/value heads", "whole number", "got 0"]),
+    ("kv heads without heads", lambda: tp.check_degrees(2, h=16, kv_heads=2), ["key/value heads", "pass heads"]),
+    ("dense kv heads", lambda: tp.Attention(16, 4, kv_heads=3), ["number of heads 4", "key/value heads 3"]),
     ("linear costs", lambda: tp.linear_costs(8, 16, 30, 4, "column"), ["h_out (columns of A) = 30", "t=4"]),
     # sequence parallelism: the sequence by t
     ("sp sequence by t", lambda: sp.check_sequence(10, 4), ["sequence length s=10", "tensor-parallel degree t=4",
@@ -75,6 +86,12 @@ RULES = [
     ("ulysses sequence by P", lambda: cp.check_ulysses(8, 4, s=30), ["sequence length 30", "P = 4"]),
     ("ulysses P whole", lambda: cp.check_ulysses(8, 0), ["context-parallel degree P", "whole number", "got 0"]),
     ("ulysses heads whole", lambda: cp.check_ulysses(0, 2), ["number of heads", "whole number", "got 0"]),
+    # grouped-query attention under Ulysses (and inside tensor parallelism: a/t and a_kv/t by P)
+    ("ulysses kv heads by P", lambda: cp.check_ulysses(4, 2, kv_heads=1),
+     ["kv_heads/P", "1 key/value heads", "context-parallel degree P=2", "(P > kv_heads)"]),
+    ("ulysses heads by kv heads", lambda: cp.check_ulysses(8, 2, kv_heads=3),
+     ["number of heads 8", "key/value heads 3"]),
+    ("ring overlap phase", lambda: cp.overlap_tokens(5e14, 5e10, phase="bwd"), ["phase must be", "'bwd'"]),
     # expert parallelism: experts by P, ranks by nodes
     ("experts by P", lambda: ep.check_placement(6, 4), ["6 experts", "P=4"]),
     ("experts whole", lambda: ep.check_placement(0, 4), ["number of experts", "whole number", "got 0"]),
@@ -103,11 +120,12 @@ def test_each_rule_names_itself_and_the_numbers(fn, words):
 
 
 @pytest.mark.parametrize("fn", [
-    lambda: tp.check_degrees(4, h=16, heads=4, ffn=64, vocab=32), lambda: sp.check_sequence(8, 4),
+    lambda: tp.check_degrees(4, h=16, heads=4, ffn=64, vocab=32), lambda: tp.check_degrees(16, h=8192, heads=64, kv_heads=8),
+    lambda: sp.check_sequence(8, 4),
     lambda: cp.check_sequence(16, 4, "zigzag"), lambda: cp.check_ulysses(8, 4, s=16),
     lambda: ep.check_placement(8, 4), lambda: ep.check_nodes(8, 2),
     lambda: planner.check_layout(GPT3, H100, tp=8, pp=8, dp=16),
-], ids=["tp", "sp", "cp", "ulysses", "ep", "nodes", "planner"])
+], ids=["tp", "tp gqa", "sp", "cp", "ulysses", "ep", "nodes", "planner"])
 def test_valid_layouts_pass_the_rules(fn):
     assert fn() is None
 

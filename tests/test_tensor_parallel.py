@@ -47,6 +47,12 @@ def test_parallel_modules_match_their_dense_twins(on_ranks, nproc, check):
     (4, dict(heads=4, vocab=32)),
     (2, dict(ffn=6)),
     (4, dict(h=16, heads=16)),                          # one-wide heads
+    (8, dict(h=8192, heads=64, kv_heads=8)),            # Llama 3 70B's attention: one key/value head per rank
+    (4, dict(h=8192, heads=64, kv_heads=8)),            # two whole groups per rank
+    (16, dict(h=8192, heads=64, kv_heads=8)),           # each group shared by 2 ranks
+    (8, dict(h=4096, heads=32, kv_heads=1)),            # multi-query: one head shared by all 8
+    (2, dict(h=16, heads=4, kv_heads=4)),               # as many key/value heads as heads
+    (1, dict(h=24, heads=12, kv_heads=6)),
 ])
 def test_check_degrees_accepts_valid_combinations(t, dims):
     assert tp.check_degrees(t, **dims) is None
@@ -61,6 +67,14 @@ def test_check_degrees_accepts_valid_combinations(t, dims):
     (2, dict(vocab=50257), "vocabulary size 50257 is not divisible by the tensor-parallel degree t=2"),
     (8, dict(h=64, heads=8, ffn=256, vocab=50257),
      "vocabulary size 50257 is not divisible by the tensor-parallel degree t=8"),
+    (4, dict(h=6144, heads=48, kv_heads=6), "the number of key/value heads 6 is neither a multiple nor a divisor "
+                                            "of the tensor-parallel degree t=4"),
+    (8, dict(h=6144, heads=48, kv_heads=12), "key/value heads 12 is neither a multiple nor a divisor"),
+    (2, dict(h=16, heads=4, kv_heads=3), "the number of heads 4 is not divisible by the number of key/value heads 3"),
+    (4, dict(h=12, heads=4, kv_heads=1), "the fused q|k|v width (heads + 2·kv_heads)·d = (4 + 2·1)·3 = 18 is not "
+                                         "divisible by the tensor-parallel degree t=4"),
+    (16, dict(h=4096, heads=8, kv_heads=8), "number of heads 8 is not divisible by the tensor-parallel degree t=16"),
+    (2, dict(h=16, kv_heads=2), "the number of key/value heads is checked against the number of heads"),
 ])
 def test_check_degrees_names_the_broken_rule(t, dims, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -84,6 +98,8 @@ def test_check_degrees_rejects_a_bad_degree_even_without_dimensions(t):
     (2, dict(h=16, heads=0), "number of heads must be a whole number ≥ 1, got 0"),
     (2, dict(ffn=-64), "MLP width must be a whole number ≥ 1, got -64"),
     (2, dict(vocab=32.5), "vocabulary size must be a whole number ≥ 1, got 32.5"),
+    (2, dict(h=16, heads=4, kv_heads=0), "number of key/value heads must be a whole number ≥ 1, got 0"),
+    (2, dict(h=16, heads=4, kv_heads=2.0), "number of key/value heads must be a whole number ≥ 1, got 2.0"),
 ])
 def test_check_degrees_rejects_non_whole_or_zero_values(t, dims, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -180,6 +196,105 @@ def test_attend_is_causal_and_heads_do_not_mix():
 def test_attend_rejects_a_width_that_does_not_split_into_heads():
     with pytest.raises(ValueError, match=re.escape("a fused q|k|v width 48 is not divisible by 3 × 5 heads")):
         model.attend(torch.zeros(S, B, 3 * H), 5)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 1), (4, 2), (8, 2), (4, 4)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_grouped_query_attend_is_attention_with_each_kv_head_repeated_for_its_group(heads, kv_heads, causal):
+    d = H // heads
+    qkv = torch.randn(S, B, (heads + 2 * kv_heads) * d, generator=torch.Generator().manual_seed(heads + kv_heads))
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    group = heads // kv_heads                     # query head j uses key/value head j // group
+    k_all, v_all = (t.reshape(S, B, kv_heads, d).repeat_interleave(group, dim=2).reshape(S, B, H) for t in (k, v))
+    want = _reference_attention(torch.cat([q, k_all, v_all], dim=-1), heads, causal)
+    torch.testing.assert_close(model.attend(qkv, heads, causal, kv_heads=kv_heads), want)
+    for fused in (True, False):                   # the written-out core and recomputation give the same
+        for recompute in (False, True):
+            got = model.attend(qkv, heads, causal, fused=fused, recompute=recompute, kv_heads=kv_heads)
+            torch.testing.assert_close(got, want)
+
+
+def test_attention_kv_heads_default_keeps_the_multi_head_layout_and_its_weights():
+    torch.manual_seed(3)
+    mha = model.Attention(H, HEADS)
+    torch.manual_seed(3)
+    same = model.Attention(H, HEADS, kv_heads=HEADS)
+    assert mha.kv_heads == HEADS and mha.qkv.out_features == 3 * H
+    assert torch.equal(mha.qkv.weight, same.qkv.weight)
+    gqa = model.Attention(H, 8, kv_heads=2)
+    assert gqa.qkv.out_features == H + 2 * 2 * (H // 8)            # [q | k | v]: 16 + 4 + 4
+    assert model.Block(H, 8, kv_heads=2).attn.kv_heads == 2
+    assert model.TinyGPT(VOCAB, H, HEADS, layers=2, kv_heads=1).blocks[1].attn.kv_heads == 1
+    x = torch.randn(S, B, H)
+    assert gqa(x).shape == (S, B, H)
+
+
+@pytest.mark.parametrize("heads, kv_heads, message", [
+    (4, 3, "the number of heads 4 is not divisible by the number of key/value heads 3"),
+    (4, 0, "the number of key/value heads must be a whole number ≥ 1, got 0"),
+    (4, 8, "the number of heads 4 is not divisible by the number of key/value heads 8"),
+    (4, 2.0, "the number of key/value heads must be a whole number ≥ 1, got 2.0"),
+])
+def test_attention_refuses_key_value_heads_that_do_not_group_the_heads(heads, kv_heads, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        model.Attention(H, heads, kv_heads=kv_heads)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        model.attend(torch.zeros(S, B, 3 * H), heads, kv_heads=kv_heads)
+
+
+def test_attend_rejects_a_grouped_width_that_does_not_split_into_heads():
+    with pytest.raises(ValueError, match=re.escape("a fused q|k|v width 25 is not divisible by 4 + 2 × 2 heads")):
+        model.attend(torch.zeros(S, B, 25), 4, kv_heads=2)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (8, 2), (4, 1), (4, 4), (6, 3)])
+def test_megatron_qkv_order_is_the_checkpoint_converters_per_group_concatenation(heads, kv_heads):
+    """Megatron-LM's converters build linear_qkv as cat([q (ng, np/ng·d, h), k (ng, d, h), v (ng, d, h)], dim=1)."""
+    d, h = 3, 5
+    w = torch.randn((heads + 2 * kv_heads) * d, h)
+    q, k, v = w.split([heads * d, kv_heads * d, kv_heads * d])
+    want = torch.cat([q.reshape(kv_heads, heads // kv_heads * d, h), k.reshape(kv_heads, d, h),
+                      v.reshape(kv_heads, d, h)], dim=1).reshape(-1, h)
+    order = tp.megatron_qkv_order(heads, kv_heads, d)
+    assert sorted(order.tolist()) == list(range(len(w)))             # a permutation of the rows
+    assert torch.equal(w[order], want)
+
+
+def test_megatron_qkv_order_of_four_heads_in_two_groups_reads_q0_q1_k0_v0_q2_q3_k1_v1():
+    order = tp.megatron_qkv_order(4, 2, 1)                          # rows of [q0 q1 q2 q3 | k0 k1 | v0 v1]
+    names = ["q0", "q1", "q2", "q3", "k0", "k1", "v0", "v1"]
+    assert [names[i] for i in order] == ["q0", "q1", "k0", "v0", "q2", "q3", "k1", "v1"]
+
+
+@pytest.mark.parametrize("args, message", [
+    ((4, 3, 2), "the number of heads 4 is not divisible by the number of key/value heads 3"),
+    ((4, 2, 0), "head dimension d must be a whole number ≥ 1, got 0"),
+    ((0, 1, 2), "number of heads must be a whole number ≥ 1, got 0"),
+])
+def test_megatron_qkv_order_rejects_bad_input(args, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tp.megatron_qkv_order(*args)
+
+
+@pytest.mark.parametrize("h, heads, kv_heads, t", [(16, 4, 2, 1), (16, 4, 2, 2), (16, 4, 2, 4), (16, 8, 1, 4),
+                                                   (32, 8, 8, 4), (24, 6, 3, 3)])
+def test_block_costs_counts_the_grouped_blocks_parameters_and_its_gathers(h, heads, kv_heads, t):
+    dense = model.Block(h, heads, kv_heads=kv_heads)
+    c = tp.block_costs(8, 2, h, heads, t, itemsize=4, kv_heads=kv_heads)
+    replicated = 2 * h + 4 * h                                       # proj and fc2 biases, two LayerNorms
+    assert c["weights"] == (sum(p.numel() for p in dense.parameters()) - replicated) // t + replicated
+    d, w = h // heads, dense.attn.qkv.out_features
+    assert c["kv_bytes"] == 2 * 8 * 2 * max(kv_heads // t, 1) * d * 4
+    shared = t > kv_heads
+    assert (c["gathers"], c["gather_S"]) == ((2, 8 * 2 * w * 4) if shared else (0, 0))
+    assert c["sent"] == 4 * 2 * (t - 1) / t * 8 * 2 * h * 4 + (2 * (t - 1) / t * 8 * 2 * w * 4 if shared else 0)
+    assert c["forward_flops"] == (2 * 8 * 2 * h * (w + h + 8 * h) + 4 * 2 * 8 * 8 * h) / t
+
+
+def test_block_costs_without_kv_heads_is_multi_head_attention():
+    assert tp.block_costs(2048, 1, 12288, 96, 8) == tp.block_costs(2048, 1, 12288, 96, 8, kv_heads=96)
+    # qkv 3h² + 3h, proj h², fc1 4h² + 4h, fc2 4h² split; 6h replicated
+    assert tp.block_costs(2048, 1, 12288, 96, 8)["weights"] == (12 * 12288 ** 2 + 7 * 12288) // 8 + 6 * 12288
 
 
 def test_block_and_gpt_shapes():

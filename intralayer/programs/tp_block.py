@@ -9,6 +9,15 @@ forward and 2 backward, each of s·b·h elements. The tiny GPT uses a vocabulary
 embedding and cross-entropy, so the (s, b, v) logits are never gathered. Rank 0 prints
 the tables.
 
+Then grouped-query attention (``--kv-heads``, the key/value heads of each case; none to
+skip): attention with fewer key/value heads than query heads, and a block with the first
+of them, checked the same way. Where t exceeds the key/value heads the ranks sharing one
+all-gather the q|k|v projection forward and reduce-scatter its gradient backward
+(Megatron-Core's layout, :class:`~intralayer.tensor_parallel.QKVParallelLinear`); the
+gathers' sizes are checked against s·b·(a + 2·a_kv)·d, and a gather whose backward keeps
+each rank's own chunk (right only when every rank uses the gathered tensor alike) must get
+the gradients wrong.
+
 Then the block again with dropout on (``--dropout``, 0 to skip), its masks drawn as
 Megatron-LM draws them (:func:`~intralayer.tensor_parallel.model_parallel_seed`): the two
 dropouts on the replicated residual stream from a seed shared by every rank, the
@@ -39,14 +48,16 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from intralayer import comm, distributed
-from intralayer.comm import bus_factor
+from intralayer.comm import bus_factor, gather_from_group
 from intralayer.model import MLP, Attention, Block, TinyGPT, dropout_mask
 from intralayer.programs.common import error_label
 from intralayer.tensor_parallel import (TP_SEED_OFFSET, ParallelAttention, ParallelBlock, ParallelGPT, ParallelMLP,
                                         RNGTracker, check_degrees, expected_shards, model_parallel_seed,
                                         seed_dense_dropout, seed_dropout, weights_per_device)
 
-#: The line that starts the dropout part of the report (the chapter shows that part in its own section).
+#: The lines that start the grouped-query and the dropout parts of the report (the chapter shows each
+#: part in its own section).
+GQA_HEADER = "Grouped-query attention under tensor parallelism"
 DROPOUT_HEADER = "Dropout under tensor parallelism"
 
 
@@ -117,6 +128,97 @@ def block_checks(d, s, b, h, heads, vocab):
                                       weights=weights_per_device(pgpt),
                                       dense_weights=sum(p.numel() for p in gpt.parameters()))
     return results
+
+
+class SplitBackwardAttention(ParallelAttention):
+    """Wrong on purpose: the gather's backward keeps this rank's chunk of its own gradient.
+
+    That is Megatron's *gather* (``gather_from_group``), right when every rank then uses the
+    gathered tensor alike. Here each rank uses only its group and its own queries, so the
+    gradient the other ranks sharing a key/value head computed for it never arrives.
+    """
+
+    def gather_qkv(self, mixed):
+        return gather_from_group(mixed, -1, self.qkv.group, "wrong gather")
+
+
+def gqa_checks(d, s, b, h, heads, kv_list, vocab) -> dict:
+    """Attention for each number of key/value heads, and a block with the first, against the dense twins."""
+    dev, g, t = d.device, d.group, d.world_size
+    tol = tolerance(s, b, h, vocab)
+    torch.manual_seed(0)
+    x = torch.randn(s, b, h, device=dev)                     # (s, b, h), the same on every rank
+    dy = torch.randn(s, b, h, device=dev)
+    results = {}
+    for kv in kv_list:
+        torch.manual_seed(kv)
+        attn = Attention(h, heads, kv_heads=kv).to(dev)
+        par = ParallelAttention.from_dense(attn, g)
+        res = check_module(d, attn, par, x, dy, tol)
+        res.update(local=(par.heads, par.kv_heads), wrong=None)
+        if t > kv:                                           # shared heads: what the wrong backward would do
+            torch.manual_seed(kv)
+            fresh = Attention(h, heads, kv_heads=kv).to(dev)
+            wrong = SplitBackwardAttention.from_dense(fresh, g)
+            xd = x.clone().requires_grad_()
+            fresh(xd).backward(dy)
+            wrong(x).backward(dy)
+            want = expected_shards(wrong, fresh, grads=True)["qkv.weight"]
+            res["wrong"] = float((wrong.qkv.weight.grad - want).abs().max())
+        results[f"attention a_kv={kv}"] = res
+    torch.manual_seed(0)
+    block = Block(h, heads, kv_heads=kv_list[0]).to(dev)
+    res = check_module(d, block, ParallelBlock.from_dense(block, g), x, dy, tol)
+    res.update(local=(heads // t, max(kv_list[0] // t, 1)), wrong=None)
+    results[f"block a_kv={kv_list[0]}"] = res
+    return results
+
+
+def verify_gqa(every: list[dict], res: dict, t: int, s: int, b: int, h: int, heads: int) -> None:
+    """The collectives of each case, and the wrong backward visibly wrong on every rank."""
+    d = h // heads
+    for name, r in res.items():
+        kv = int(name.rpartition("=")[2])
+        gathers = [rec for rec in r["acc"].records if rec.op in ("all_gather", "reduce_scatter")]
+        want = [("forward", "all_gather"), ("backward", "reduce_scatter")] if t > kv else []
+        if [(rec.phase, rec.op) for rec in gathers] != want:
+            raise AssertionError(f"{name}: gathers {[(rec.phase, rec.op) for rec in gathers]}, expected {want}")
+        for rec in gathers:
+            if rec.elements != s * b * (heads + 2 * kv) * d:
+                raise AssertionError(f"{name}: {rec.op} of {rec.elements} elements, Megatron-Core's "
+                                     f"s·b·(a + 2·a_kv)·d is {s * b * (heads + 2 * kv) * d}")
+    for rank, mine in enumerate(every):
+        for name, r in mine.items():
+            if r["wrong"] is not None and not r["wrong"] > 1e-3:
+                raise AssertionError(f"rank {rank}, {name}: the wrong backward left the q|k|v gradient right")
+
+
+def report_gqa(d, a, res, every) -> None:
+    t = d.world_size
+    print(f"\n{GQA_HEADER}: t = {t}; s={a.s}, b={a.b}, h={a.h}, {a.heads} query heads of d = {a.h // a.heads}")
+    print(f"{'module':16} {'heads here: q / kv':>18} {'weights/rank':>12} {'of dense':>8}  {'output':>6} {'dX':>6} "
+          f"{'grads':>6}   collectives forward / backward")
+    for name, r in res.items():
+        kv = int(name.rpartition("=")[2])
+        worst = {f: max(rank[name][f] for rank in every) for f in ("out", "dx", "grads")}
+        fb = [", ".join(f"{r['acc'].count(op, ph)} {op}" for op in ("all_reduce", "all_gather", "reduce_scatter")
+                        if r["acc"].count(op, ph)) for ph in ("forward", "backward")]
+        here = f"{r['local'][0]} / {r['local'][1]}" + (f", shared by {t // kv}" if t > kv else "")
+        print(f"{name:16} {here:>18} {r['weights']:12d} {r['dense_weights']:8d}  {error_label(worst['out']):>6} "
+              f"{error_label(worst['dx']):>6} {error_label(worst['grads']):>6}   {fb[0]} / {fb[1]}")
+    for name, r in res.items():
+        gathers = [rec for rec in r["acc"].records if rec.op in ("all_gather", "reduce_scatter")]
+        if gathers and name.startswith("attention"):         # the block's are the same as its attention's
+            kv = int(name.rpartition("=")[2])
+            print(f"{name}: the all-gather and the reduce-scatter each of S = {gathers[0].bytes} bytes recorded = "
+                  f"s·b·(a + 2·a_kv)·d × 4 = {a.s}·{a.b}·({a.heads} + 2·{kv})·{a.h // a.heads} × 4; "
+                  f"ring model: each rank sends (t−1)/t·S = {gathers[0].sent:.0f}")
+    for name, r in res.items():
+        if r["wrong"] is not None:
+            worst = max(rank[name]["wrong"] for rank in every)
+            print(f"wrong: {name}, the gather's backward keeping each rank's own chunk → the q|k|v weight "
+                  f"gradient is off by up to {worst:.2f}")
+    print("\ngrouped-query checks passed on every rank")
 
 
 def _gather(d, x: torch.Tensor) -> list[torch.Tensor]:
@@ -199,6 +301,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", "--h", dest="h", type=int, default=16, help="hidden size h")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--vocab", type=int, default=64, help="vocabulary size")
+    p.add_argument("--kv-heads", type=int, nargs="*", default=[2, 1],
+                   help="key/value heads of each grouped-query case (none: skip them)")
     p.add_argument("--dropout", type=float, default=0.1, help="dropout probability of the second part (0: skip it)")
     p.add_argument("--seed", type=int, default=1234, help="the default dropout seed")
     return p.parse_args(argv)
@@ -209,6 +313,8 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     with distributed.setup() as d:
         check_degrees(d.world_size, h=a.h, heads=a.heads, ffn=4 * a.h, vocab=a.vocab)
+        for kv in a.kv_heads:
+            check_degrees(d.world_size, h=a.h, heads=a.heads, kv_heads=kv)
         res = block_checks(d, a.s, a.b, a.h, a.heads, a.vocab)
         mine = {k: {f: v[f] for f in ("out", "dx", "grads")} for k, v in res.items()}
         every = [None] * d.world_size
@@ -216,6 +322,13 @@ def main(argv=None) -> None:
         verify_counts(res["block"]["acc"], d.world_size, a.s * a.b * a.h)
         if d.is_main:
             report(d, a, res, every)
+        if a.kv_heads:
+            gqa = gqa_checks(d, a.s, a.b, a.h, a.heads, a.kv_heads, a.vocab)
+            every = [None] * d.world_size
+            dist.all_gather_object(every, {k: {f: v[f] for f in ("out", "dx", "grads", "wrong")} for k, v in gqa.items()})
+            verify_gqa(every, gqa, d.world_size, a.s, a.b, a.h, a.heads)
+            if d.is_main:
+                report_gqa(d, a, gqa, every)
         if a.dropout > 0:
             drop = dropout_checks(d, a.s, a.b, a.h, a.heads, a.dropout, a.seed)
             every = [None] * d.world_size

@@ -9,7 +9,10 @@ the collectives each module issues (``comm.accounting``) and that bad input rais
 ``ValueError`` that names the rule. With dropout on, the block's masks are placed as
 Megatron-LM places them (same seed where activations are replicated, a seed per rank in
 the split attention) and the block must still equal its dense twin, with and without
-recomputation.
+recomputation. Grouped-query attention (``check_grouped_query``) runs with the key/value
+heads split (t ≤ a_kv) and shared (t > a_kv, multi-query included), with its collectives
+counted; a version whose all-gather keeps only its own chunk of the gradient, as if every
+rank's copy of a shared head had the same gradient, must fail the same comparison.
 
 Any mismatch raises, so the rank, and the launch, fail; when every check passed on
 every rank, rank 0 prints ``MARKER`` followed by the number of ranks.
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 from intralayer import comm, distributed, model
 from intralayer.sequence_parallel import ParallelBlock as SequenceParallelBlock
 from intralayer.tensor_parallel import (TP_SEED_OFFSET, ColumnParallelLinear, ParallelAttention, ParallelBlock,
-                                        ParallelGPT, ParallelMLP, RNGTracker, RowParallelLinear,
+                                        ParallelGPT, ParallelMLP, QKVParallelLinear, RNGTracker, RowParallelLinear,
                                         VocabParallelEmbedding, expected_shards, model_parallel_seed,
                                         seed_dense_dropout, seed_dropout, vocab_parallel_cross_entropy,
                                         weights_per_device)
@@ -200,6 +203,109 @@ def check_attention_block_gpt(n, r, group):
     emb = VocabParallelEmbedding.from_dense(dense.embed, group)
     with torch.no_grad():
         close(emb(ids), dense.embed(ids), "embedding: output", **EXACT)
+
+
+# ---------------------------------------------------------------------------- grouped-query attention
+
+#: (query heads, key/value heads) with H = 16: on 2 ranks the heads are split for a_kv ∈ {2, 4}
+#: and shared for a_kv = 1; on 4 ranks split for a_kv = 4 and shared for a_kv ∈ {1, 2}.
+GQA = ((4, 1), (4, 2), (8, 4), (8, 2))
+
+
+class SplitBackwardAttention(ParallelAttention):
+    """Wrong on purpose: gathers the projection with Megatron's *gather* (backward: keep this rank's chunk).
+
+    That backward is right when every rank then uses the gathered tensor identically; here each
+    rank uses only its group and its own queries, so a shared key/value head's gradient from the
+    other ranks sharing it is lost.
+    """
+
+    def gather_qkv(self, mixed):
+        return comm.gather_from_group(mixed, -1, self.qkv.group, "wrong gather")
+
+
+def check_grouped_query(n, r, group):
+    for heads, kv in GQA:
+        for causal in (True, False):
+            what = f"GQA heads={heads} kv_heads={kv} causal={causal} on {n} ranks"
+            torch.manual_seed(40 + heads + kv)
+            dense = model.Attention(H, heads, causal=causal, kv_heads=kv)
+            expect(dense.qkv.out_features == H + 2 * kv * H // heads, f"{what}: dense q|k|v width")
+            par = ParallelAttention.from_dense(dense, group)
+            expect(isinstance(par.qkv, QKVParallelLinear), f"{what}: {type(par.qkv).__name__}")
+            expect(par.heads == heads // n and par.kv_heads == max(kv // n, 1),
+                   f"{what}: {par.heads} query heads and {par.kv_heads} key/value heads here")
+            expect(weights_per_device(par) == (sum(p.numel() for p in dense.parameters()) - H) // n + H,
+                   f"{what}: {weights_per_device(par)} weights per device, not 1/{n} (+ the proj bias)")
+            x, up = randn(S, B, H, seed=41), randn(S, B, H, seed=42)
+            with comm.accounting() as acc:
+                check_against_dense(par, dense, x, up, what)
+            width = H + 2 * kv * H // heads
+            want = {("forward", "all_reduce"): 1, ("backward", "all_reduce"): 1}
+            if n > kv:                                  # shared heads: gather forward, reduce-scatter backward
+                want |= {("forward", "all_gather"): 1, ("backward", "reduce_scatter"): 1}
+                for rec in acc.records:
+                    if rec.op in ("all_gather", "reduce_scatter"):
+                        expect(rec.elements == S * B * width,
+                               f"{what}: {rec.op} of {rec.elements} elements, want s·b·(a + 2a_kv)·d = {S * B * width}")
+            got = {(rec.phase, rec.op): 0 for rec in acc.records}
+            for rec in acc.records:
+                got[rec.phase, rec.op] += 1
+            expect(got == want, f"{what}: collectives {got}, want {want}")
+            if n > kv:                                  # the check must catch a lost shared-head gradient
+                torch.manual_seed(40 + heads + kv)
+                fresh = model.Attention(H, heads, causal=causal, kv_heads=kv)     # the same weights, no gradients yet
+                wrong = SplitBackwardAttention.from_dense(fresh, group)
+                try:
+                    check_against_dense(wrong, fresh, x, up, f"{what} (wrong backward)")
+                except AssertionError as err:
+                    expect("grad" in str(err), f"{what}: the wrong backward failed, but not on a gradient: {err}")
+                else:
+                    raise AssertionError(f"{what}: a gather whose backward keeps one chunk passed the gradient checks")
+
+    # Megatron's layout also carries multi-head attention (a_kv = a: q0 k0 v0 | q1 k1 v1 …).
+    torch.manual_seed(50)
+    dense = model.Attention(H, HEADS)
+    proj = ParallelAttention.from_dense(dense, group).proj
+    mha = ParallelAttention(QKVParallelLinear.from_dense(dense.qkv, group, HEADS, HEADS, label="attn.qkv"),
+                            proj, HEADS // n, dense)
+    check_against_dense(mha, dense, randn(S, B, H, seed=51), randn(S, B, H, seed=52), "MHA in the per-group layout")
+
+    # A block and a tiny GPT with grouped-query attention; a block with dropout and recomputation.
+    torch.manual_seed(53)
+    dense = model.Block(H, 8, kv_heads=2)
+    check_against_dense(ParallelBlock.from_dense(dense, group), dense, randn(S, B, H, seed=54),
+                        randn(S, B, H, seed=55), "GQA block")
+    torch.manual_seed(56)
+    dense = model.TinyGPT(VOCAB, H, HEADS, layers=2, kv_heads=1)
+    par = ParallelGPT.from_dense(dense, group)
+    ids = torch.randint(0, VOCAB, (S, B), generator=torch.Generator().manual_seed(57))
+    loss_d = dense.loss(ids, ids.roll(1, 0))
+    loss_d.backward()
+    loss_p = par.loss(ids, ids.roll(1, 0))
+    close(loss_p.detach(), loss_d.detach(), "MQA gpt: loss")
+    loss_p.backward()
+    params = dict(par.named_parameters())
+    for name, want in expected_shards(par, dense, grads=True).items():
+        close(params[name].grad, want, f"MQA gpt: {name} grad")
+    for recompute in ("selective", "full"):
+        torch.manual_seed(58)
+        dense = model.Block(H, HEADS, dropout=P_DROP, recompute=recompute, kv_heads=2)
+        par = ParallelBlock.from_dense(dense, group)
+        seed_dense_dropout(dense, SEED, n)
+        seed_dropout(par, model_parallel_seed(SEED, r))
+        check_against_dense(par, dense, randn(S, B, H, seed=59), randn(S, B, H, seed=60),
+                            f"GQA block, dropout, recompute={recompute}")
+
+    # Layouts that cannot carry grouped-query attention, and degrees Megatron-Core refuses.
+    gqa = model.Attention(H, HEADS, kv_heads=2)
+    raises(lambda: ParallelAttention(ColumnParallelLinear.from_dense(gqa.qkv, group), proj, HEADS // n, gqa),
+           "per-group layout", "QKVParallelLinear", "ColumnParallelLinear", what="GQA with a plain column split")
+    if n == 4:
+        raises(lambda: ParallelAttention.from_dense(model.Attention(24, 12, kv_heads=6), group),
+               "key/value heads 6 is neither a multiple nor a divisor", "t=4", what="6 key/value heads on 4 ranks")
+        raises(lambda: ParallelBlock.from_dense(model.Block(12, 4, kv_heads=1), group),
+               "fused q|k|v width", "= 18", "t=4", what="MQA block whose fused width 18 does not split 4 ways")
 
 
 # ---------------------------------------------------------------------------- vocabulary cross-entropy
@@ -415,7 +521,8 @@ def check_bad_input(n, r, group):
 
 
 #: Every check, in the order main runs them; each is also a test item of its own (tests.programs.checks.run_check).
-CHECKS = (check_column, check_row, check_mlp, check_attention_block_gpt, check_cross_entropy, check_accounting, check_dropout, check_bad_input)
+CHECKS = (check_column, check_row, check_mlp, check_attention_block_gpt, check_grouped_query, check_cross_entropy,
+          check_accounting, check_dropout, check_bad_input)
 
 
 @record

@@ -39,13 +39,16 @@ def parallel_cross_entropy(logit_shards, targets):
 '''
 
 DEGREES = '''
-def valid_degrees(h, heads, ffn, vocab, gpus_per_node=8):
-    return [t for t in {range} if {rule}]
+def valid_degrees(h, heads, ffn, vocab, kv_heads=None, gpus_per_node=8):
+    kv = heads if kv_heads is None else kv_heads
+    width = (heads + 2 * kv) * (h // heads)
+    return [t for t in {range} if {rule} and {kv_rule}]
 '''
 
 
-def degrees(range="range(1, gpus_per_node + 1)", rule="not (h % t or heads % t or ffn % t or vocab % t)"):
-    return DEGREES.replace("{range}", range).replace("{rule}", rule)
+def degrees(range="range(1, gpus_per_node + 1)", rule="not (h % t or heads % t or ffn % t or vocab % t)",
+            kv_rule="(kv % t == 0 or (t % kv == 0 and width % t == 0))"):
+    return DEGREES.replace("{range}", range).replace("{rule}", rule).replace("{kv_rule}", kv_rule)
 
 
 WRONG = {
@@ -138,21 +141,31 @@ def parallel_cross_entropy(logit_shards, targets):
         ("visible", "only powers of two",
          degrees(rule="t & (t - 1) == 0 and not (h % t or heads % t or ffn % t or vocab % t)")),
         ("visible", "largest first", degrees(range="range(gpus_per_node, 0, -1)")),
-        ("hidden", "ignores gpus_per_node: always up to 8", degrees(range="range(1, 9)")),
+        ("visible", "ignores gpus_per_node: always up to 8", degrees(range="range(1, 9)")),
+        ("visible", "ignores kv_heads (the rules before grouped-query attention)", degrees(kv_rule="True")),
+        ("visible", "only t dividing kv_heads: no key/value head shared by several ranks",
+         degrees(kv_rule="kv % t == 0")),
+        ("visible", "only kv_heads dividing t", degrees(kv_rule="t % kv == 0")),
+        ("visible", "forgets that a shared group's fused q|k|v width must still split t ways",
+         degrees(kv_rule="(kv % t == 0 or t % kv == 0)")),
+        ("visible", "kv_heads must divide the heads/t heads of one rank",
+         degrees(kv_rule="(heads // t) % kv == 0")),
         ("hidden", "a table of the visible check's answers", '''
-def valid_degrees(h, heads, ffn, vocab, gpus_per_node=8):
-    known = {(12288, 96, 49152, 51200): [1, 2, 4, 8], (768, 12, 3072, 50257): [1],
-             (768, 12, 3072, 50304): [1, 2, 3, 4, 6], (64, 8, 100, 256): [1, 2, 4]}
-    return known.get((h, heads, ffn, vocab), [1])
+def valid_degrees(h, heads, ffn, vocab, kv_heads=None, gpus_per_node=8):
+    known = {(12288, 96, 49152, 51200, None, 8): [1, 2, 4, 8], (768, 12, 3072, 50257, None, 8): [1],
+             (768, 12, 3072, 50304, None, 8): [1, 2, 3, 4, 6], (64, 8, 100, 256, None, 8): [1, 2, 4],
+             (8192, 64, 28672, 128256, 8, 16): [1, 2, 4, 8, 16], (4096, 32, 16384, 32000, 1, 8): [1, 2, 4, 8],
+             (6144, 48, 24576, 51200, 6, 8): [1, 2], (12, 4, 48, 96, 1, 4): [1, 2]}
+    return known.get((h, heads, ffn, vocab, kv_heads, gpus_per_node), [1])
 '''),
         ("visible", "calls the course library's check_degrees", '''
 from intralayer.tensor_parallel import check_degrees
 
-def valid_degrees(h, heads, ffn, vocab, gpus_per_node=8):
+def valid_degrees(h, heads, ffn, vocab, kv_heads=None, gpus_per_node=8):
     good = []
     for t in range(1, gpus_per_node + 1):
         try:
-            check_degrees(t, h=h, heads=heads, ffn=ffn, vocab=vocab)
+            check_degrees(t, h=h, heads=heads, ffn=ffn, vocab=vocab, kv_heads=kv_heads)
             good.append(t)
         except ValueError:
             pass
@@ -189,11 +202,23 @@ def parallel_cross_entropy(logit_shards, targets):
                 picked[n] = z[n, y - r * width]
     return M + np.log(sums) - picked
 ''')],
-    "valid_degrees": [("math.gcd of the four sizes", '''
+    "valid_degrees": [("math.gcd of the four sizes, then the query groups", '''
 import math
 
-def valid_degrees(h, heads, ffn, vocab, gpus_per_node=8):
+def valid_degrees(h, heads, ffn, vocab, kv_heads=None, gpus_per_node=8):
     g = math.gcd(math.gcd(h, heads), math.gcd(ffn, vocab))
-    return [t for t in range(1, gpus_per_node + 1) if g % t == 0]
+    kv = kv_heads or heads
+    fused = (heads + 2 * kv) * h // heads
+    return [t for t in range(1, gpus_per_node + 1)
+            if g % t == 0 and (kv % t == 0 or (t % kv == 0 and fused % t == 0))]
+'''), ("checks the fused width for every t (it always splits when t divides kv_heads)", '''
+def valid_degrees(h, heads, ffn, vocab, kv_heads=None, gpus_per_node=8):
+    kv = heads if kv_heads is None else kv_heads
+    out = []
+    for t in range(1, gpus_per_node + 1):
+        sizes = (h, heads, ffn, vocab, (heads + 2 * kv) * (h // heads))
+        if all(n % t == 0 for n in sizes) and (kv % t == 0 or t % kv == 0):
+            out.append(t)
+    return out
 ''')],
 }
