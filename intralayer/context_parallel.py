@@ -20,12 +20,22 @@ Each of P ranks holds ``s/P`` tokens of q, k and v, laid out ``(b, heads, s_loca
   split for a head split with an all-to-all, runs ordinary attention on ``heads/P`` heads
   over the whole sequence, and trades back.
 
+Both take grouped-query attention: k and v may hold fewer heads than q (``kv_heads``
+dividing ``heads``; query head j attends with key/value head ``j // (heads/kv_heads)``), and
+the ring then moves only those. Under tensor parallelism each rank passes its own
+``heads/t`` query heads and ``kv_heads/t`` key/value heads, and the context-parallel group
+is one column of the rank grid (``intralayer/programs/cp_tp.py``).
+
 Everything runs on CPU with gloo and on GPUs with NCCL, causal or not, forward and
-backward; :func:`counting` records how many attention scores each rank computed.
+backward; :func:`counting` records how many attention scores each rank computed, and the
+thread CPU time it spent computing them. :func:`cp_costs` and :func:`ring_step` are the
+arithmetic: bytes, FLOPs, memory, and when a ring step's transfer hides
+(:func:`overlap_tokens`).
 """
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -150,8 +160,10 @@ def unshard_sequence(x_local: torch.Tensor, dim: int, group, layout: str = "cont
 # Numerics. A row's log-sum-exp lse = log Σ_j exp(z_j) of its scores z is about as large as
 # its largest score, and float32 holds it only to within u·|lse| (u = 2^-24): 6e-4 at
 # lse ≈ 1e4, more than log 4 at lse ≈ 2^100. Normalising with exp(z − lse) would pass that
-# absolute error on to every probability as a relative one. So nothing below subtracts a
-# rounded lse:
+# absolute error on to every probability as a relative one. FlashAttention and the rings
+# built on it keep one float32 lse, and at the scores models produce (|lse| of tens) that
+# error is ~1e-6, far below bfloat16's 2^-8; this module still never subtracts a rounded lse
+# (belt and braces, for scores of order 1e4 and beyond):
 # - a block subtracts its row max m (one of the scores, so exact) and divides by the row
 #   sum of exp(z − m);
 # - merge_partials' weights depend only on the difference of the two lses;
@@ -296,20 +308,30 @@ def work_per_rank(s: int, P: int, layout: str, causal: bool, count: str = "compu
 
 @dataclass
 class WorkCount:
-    """Scores computed by this rank inside ``with counting():`` (forward passes only)."""
+    """Scores computed by this rank inside ``with counting():`` (forward passes only), and the
+    time it spent computing them, by the clock :func:`counting` was given."""
 
     scores: int = 0            # entries of q kᵀ computed (masked ones included)
     blocks: int = 0            # (query piece, key piece) products computed
     steps: list[int] = field(default_factory=list)   # scores per ring step, last call
+    seconds: float = 0.0       # clock time inside the block computations and merges, every call
+    step_seconds: list[float] = field(default_factory=list)   # per ring step, last call
+    clock: Callable[[], float] = time.thread_time
 
 
 _counters: list[WorkCount] = []
 
 
 @contextmanager
-def counting():
-    """Count the attention scores this rank computes in :func:`ring_attention`."""
-    w = WorkCount()
+def counting(clock: Callable[[], float] = time.thread_time):
+    """Count the attention scores this rank computes in :func:`ring_attention`, and time them.
+
+    The default clock, ``time.thread_time``, is this thread's CPU time: on a CPU (one
+    thread per rank, as ``distributed.setup`` sets) it measures the compute itself and not
+    the waits, nor the other processes sharing the cores. On a GPU kernels run
+    asynchronously: pass a clock that synchronises first.
+    """
+    w = WorkCount(clock=clock)
     _counters.append(w)
     try:
         yield w
@@ -321,6 +343,18 @@ def counting():
 
 def _pieces(x: torch.Tensor, n: int) -> list[torch.Tensor]:
     return list(x.chunk(n, dim=2))              # along the sequence: (b, h, s_local, d) or (b, h, s_local)
+
+
+def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
+    """Grouped-query attention: (b, kv, n, d) → (b, kv·group, n, d), key/value head j serving
+    query heads j·group … j·group + group − 1."""
+    return x if group == 1 else x.repeat_interleave(group, dim=1)
+
+
+def _sum_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """The gradient of :func:`_repeat_kv`: (b, kv·group, n, d) → (b, kv, n, d), each group summed."""
+    b, h, n, d = x.shape
+    return x if group == 1 else x.reshape(b, h // group, group, n, d).sum(2)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -339,12 +373,15 @@ class _RingAttention(torch.autograd.Function):
         lam = torch.full_like(m, float("-inf"))
         # The same tensors seen piece by piece (views: writing a piece writes the whole).
         out_p, m_p, lam_p, q_p = _pieces(out, n), _pieces(m, n), _pieces(lam, n), _pieces(q, n)
-        kv = [k, v]                               # the key/value block held now: our own at step 0
-        per_step = []
+        g = h // k.shape[1]                       # query heads per key/value head (grouped-query attention)
+        kv = [k, v]                               # the key/value block held now, (b, kv, sl, d): our own at step 0
+        per_step, seconds = [], []
+        clocks = [c.clock for c in _counters]
         for i, pairs in enumerate(plan):
             # Send the held block to rank r+1 and receive the next from r−1, while computing below.
             pending = comm.ring_exchange_start(kv, shift=1, group=group, label="ring k,v") if i < P - 1 else None
-            k_p, v_p = _pieces(kv[0], n), _pieces(kv[1], n)
+            t0 = [clock() for clock in clocks]
+            k_p, v_p = _pieces(_repeat_kv(kv[0], g), n), _pieces(_repeat_kv(kv[1], g), n)   # (b, h, sl/n, d)
             done = 0
             for qi, kj, kind in pairs:
                 bo, bm, bl = _block_parts(q_p[qi], k_p[kj], v_p[kj], scale, kind)        # out, m, λ
@@ -353,21 +390,24 @@ class _RingAttention(torch.autograd.Function):
                 m_p[qi].copy_(new_m)
                 lam_p[qi].copy_(new_lam)
                 done += q_p[qi].shape[2] * k_p[kj].shape[2]
+            seconds.append([clock() - t for clock, t in zip(clocks, t0)])
             per_step.append(done)
             if pending is not None:
                 kv = pending.wait()
-        for w in _counters:
+        for j, w in enumerate(_counters):
             w.scores += sum(per_step) * b * h
             w.blocks += sum(len(pairs) for pairs in plan)
             w.steps = [x * b * h for x in per_step]
+            w.step_seconds = [step[j] for step in seconds]
+            w.seconds += sum(w.step_seconds)
         ctx.save_for_backward(q, k, v, out, m, lam)
-        ctx.group, ctx.plan, ctx.n, ctx.scale = group, plan, n, scale
+        ctx.group, ctx.plan, ctx.n, ctx.scale, ctx.g = group, plan, n, scale, g
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, m, lam = ctx.saved_tensors
-        group, plan, n, scale = ctx.group, ctx.plan, ctx.n, ctx.scale
+        group, plan, n, scale, g = ctx.group, ctx.plan, ctx.n, ctx.scale, ctx.g
         P = dist.get_world_size(group)
         w = out.dtype
         dout = dout.to(w)
@@ -376,23 +416,30 @@ class _RingAttention(torch.autograd.Function):
         q_p, do_p, m_p, lam_p, dl_p, dq_p = (_pieces(q.to(w), n), _pieces(dout, n), _pieces(m, n),
                                              _pieces(lam, n), _pieces(delta, n), _pieces(dq, n))
         kv = [k, v]
-        acc = [torch.zeros_like(k, dtype=w), torch.zeros_like(v, dtype=w)]      # dk, dv, travelling
+        arriving = None           # the held block's dk, dv so far, on their way from rank r−1 (none at step 0)
         for i, pairs in enumerate(plan):
             pending = comm.ring_exchange_start(kv, 1, group, "ring k,v", "backward") if i < P - 1 else None
-            k_p, v_p = _pieces(kv[0].to(w), n), _pieces(kv[1].to(w), n)
-            dk_p, dv_p = _pieces(acc[0], n), _pieces(acc[1], n)
+            k_p, v_p = _pieces(_repeat_kv(kv[0].to(w), g), n), _pieces(_repeat_kv(kv[1].to(w), g), n)
+            mine = [kv[0].new_zeros(kv[0].shape, dtype=w) for _ in range(2)]             # dk, dv: (b, kv, sl, d)
+            dk_p, dv_p = _pieces(mine[0], n), _pieces(mine[1], n)
             for qi, kj, kind in pairs:
                 s = _scores(q_p[qi], k_p[kj], scale, kind)
                 p = _probs(s, m_p[qi], lam_p[qi])                                       # (b, h, m, n)
-                dv_p[kj] += p.transpose(-2, -1) @ do_p[qi]
+                dv_p[kj] += _sum_groups(p.transpose(-2, -1) @ do_p[qi], g)              # (b, kv, n, d)
                 ds = p * (do_p[qi] @ v_p[kj].transpose(-2, -1) - dl_p[qi].unsqueeze(-1))
                 dq_p[qi] += (ds @ k_p[kj]) * scale
-                dk_p[kj] += (ds.transpose(-2, -1) @ q_p[qi]) * scale
-            # The gradients of the block travel with it; after P moves they are home.
-            acc = comm.ring_exchange_start(acc, 1, group, "ring dk,dv", "backward").wait()
+                dk_p[kj] += _sum_groups(ds.transpose(-2, -1) @ q_p[qi], g) * scale
+            # The gradients of the block travel with it, P moves in all, the last one home. This
+            # step's move starts now and is waited for after the next step's compute, so it
+            # overlaps that compute; the last has nothing left to hide behind.
+            if arriving is not None:
+                for mine_t, got in zip(mine, arriving.wait()):
+                    mine_t += got
+            arriving = comm.ring_exchange_start(mine, 1, group, "ring dk,dv", "backward")
             if pending is not None:
                 kv = pending.wait()
-        return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None, None
+        dk, dv = arriving.wait()
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def _check_qkv(q, k, v, who: str, group=None) -> None:
@@ -402,8 +449,11 @@ def _check_qkv(q, k, v, who: str, group=None) -> None:
             got = f"dtype {t.dtype}, shape {t.shape}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{who}: {name} must be a floating-point tensor laid out (b, heads, s_local, d), "
                              f"got {got}")
-    if not (q.shape == k.shape == v.shape):
-        raise ValueError(f"{who}: q, k and v must have the same shape, got {tuple(q.shape)}, "
+    b, heads, sl, d = q.shape
+    kv_heads = k.shape[1]
+    if not (k.shape == v.shape and (b, sl, d) == (k.shape[0], k.shape[2], k.shape[3]) and heads % kv_heads == 0):
+        raise ValueError(f"{who}: q, k and v must have the same shape, or k and v the same shape with a number of "
+                         f"heads that divides q's (grouped-query attention), got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
         raise ValueError(f"{who}: q, k and v must share dtype and device, got q {q.dtype} on {q.device}, "
@@ -416,7 +466,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, cau
     """Softmax attention over the whole sequence, from this rank's shards ``(b, heads, s_local, d)``.
 
     The shards are those of :func:`shard_sequence` with the same ``layout``; the result is
-    this rank's shard of the output. Differentiable.
+    this rank's shard of the output. k and v may hold ``kv_heads`` heads, a divisor of q's
+    (grouped-query attention): the ring moves those, and repeats them for each group of query
+    heads only inside the block computation. Differentiable.
     """
     _check_qkv(q, k, v, "ring_attention", group)
     P = dist.get_world_size(group)
@@ -444,15 +496,25 @@ def _heads_to_seq(y: torch.Tensor, group, label: str) -> torch.Tensor:
     return x.movedim(0, 1).reshape(b, P * hp, s // P, d)                         # (b, H, s/P, d)
 
 
-def check_ulysses(heads: int, P: int, s: int | None = None) -> None:
-    """``ValueError`` unless Ulysses can give each of P ranks whole heads: P must divide the heads.
+def check_ulysses(heads: int, P: int, s: int | None = None, kv_heads: int | None = None) -> None:
+    """``ValueError`` unless Ulysses can give each of P ranks whole heads: P must divide the heads,
+    and, with grouped-query attention, the ``kv_heads`` key/value heads too.
 
-    With ``s``, the sequence must also cut into P equal contiguous shards.
+    Under tensor parallelism over t ranks, pass this rank's heads/t and kv_heads/t: both must
+    be divisible by P. With ``s``, the sequence must also cut into P equal contiguous shards.
     """
     n_chunks(P, "contiguous")                                                   # P a whole number ≥ 1
     if _whole(heads, "the number of heads") % P:
         raise ValueError(f"Ulysses gives each rank heads/P whole heads: {heads} heads are not divisible by "
                          f"the context-parallel degree P={P}" + (" (P > heads)" if P > heads else ""))
+    if kv_heads is not None:
+        if heads % _whole(kv_heads, "the number of key/value heads"):
+            raise ValueError(f"the number of heads {heads} is not divisible by the number of key/value heads "
+                             f"{kv_heads}: each key/value head serves an equal group of query heads")
+        if kv_heads % P:
+            raise ValueError(f"Ulysses gives each rank kv_heads/P whole key/value heads: {kv_heads} key/value "
+                             f"heads are not divisible by the context-parallel degree P={P}"
+                             + (" (P > kv_heads)" if P > kv_heads else ""))
     if s is not None:
         check_sequence(s, P, "contiguous")
 
@@ -461,52 +523,115 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, 
     """DeepSpeed-Ulysses: all-to-all to a head split, full attention on heads/P heads, all-to-all back.
 
     q, k, v are this rank's contiguous shards ``(b, heads, s_local, d)``; P must divide
-    the number of heads (each rank attends with whole heads), so P ≤ heads.
+    the number of heads (each rank attends with whole heads), so P ≤ heads. With
+    grouped-query attention (k, v of ``kv_heads`` heads) P must divide ``kv_heads`` too:
+    rank j receives query heads j·heads/P … and exactly the key/value heads they use.
     """
     _check_qkv(q, k, v, "ulysses_attention", group)
     P = dist.get_world_size(group)
-    check_ulysses(q.shape[1], P)
+    check_ulysses(q.shape[1], P, kv_heads=k.shape[1])
     qh, kh, vh = (_seq_to_heads(t, group, f"ulysses {n}") for n, t in (("q", q), ("k", k), ("v", v)))
-    o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal)              # (b, H/P, s, d)
+    g = q.shape[1] // k.shape[1]
+    o = F.scaled_dot_product_attention(qh, _repeat_kv(kh, g), _repeat_kv(vh, g), is_causal=causal)  # (b, H/P, s, d)
     return _heads_to_seq(o, group, "ulysses out")
 
 
 # ---------------------------------------------------------------------------- costs
 
+def _kv_heads(heads: int, kv_heads: int | None) -> int:
+    """The key/value heads (``heads`` when None); ``ValueError`` unless a whole number dividing ``heads``."""
+    if kv_heads is None:
+        return heads
+    if heads % _whole(kv_heads, "the number of key/value heads"):
+        raise ValueError(f"the number of heads {heads} is not divisible by the number of key/value heads "
+                         f"{kv_heads}: each key/value head serves an equal group of query heads")
+    return kv_heads
+
+
 def cp_costs(s: int, b: int, heads: int, d: int, P: int, method: str, causal: bool = True,
-             layout: str = "zigzag", itemsize: int = 2) -> dict:
-    """Per rank and attention layer: bytes sent (forward + backward), scores, memory.
+             layout: str = "zigzag", itemsize: int = 2, kv_heads: int | None = None) -> dict:
+    """Per rank and attention layer: bytes sent (forward + backward), scores, FLOPs, memory.
+
+    ``heads`` query heads and ``kv_heads`` key/value heads (grouped-query attention; default
+    ``heads``) — under tensor parallelism, one rank's heads/t and kv_heads/t.
 
     - Ring (this module's implementation): forward, P−1 moves of this rank's k and v
-      blocks (``block`` = b·s/P·heads·d numbers each); backward, P−1 moves of k and v and
-      P moves of their gradients, which travel in float32 (float64 for float64 inputs).
+      blocks (``block_kv`` = b·s/P·kv_heads·d numbers each); backward, P−1 moves of k and v
+      and P moves of their gradients, which travel in float32 (float64 for float64 inputs).
     - Ulysses: four all-to-alls forward (q, k, v, output) and four backward, each sending
-      (P−1)/P of a (b, heads, s/P, d) tensor — 4Nh/P per rank and pass for N = b·s tokens
-      and h = heads·d (Jacobs et al. 2023).
+      (P−1)/P of its (b, heads or kv_heads, s/P, d) tensor — 4Nh/P per rank and pass for
+      N = b·s tokens and h = heads·d without GQA (Jacobs et al. 2023).
     - scores: attention scores the busiest rank computes, forward (the ring's schedule,
       diagonal blocks computed whole; Ulysses' heads/P heads over s·(s+1)/2 causal pairs or
-      s² pairs); flops = 4·d·scores (q kᵀ and the weighted sum).
-    - memory: the attention tensors a rank holds at once, in blocks: ring — q, k, v, the
-      output and the k, v block arriving; Ulysses — q, k, v and the output in both layouts.
+      s² pairs); flops = 4·d·scores (q kᵀ and the weighted sum); backward_flops =
+      10·d·scores, 2.5 times as many: the backward recomputes q kᵀ and computes dV, dP, dQ and
+      dK, five products against the forward's two (Dao et al. 2022).
+    - memory: the attention tensors a rank holds at once: ring — q and the output, k, v and
+      the k, v block arriving; Ulysses — q, k, v and the output in both layouts.
     """
     if method not in ("ring", "ulysses"):
         raise ValueError(f"method must be 'ring' or 'ulysses', got {method!r}")
     for value, what in ((s, "sequence length"), (b, "batch"), (heads, "heads"), (d, "head dimension"),
                         (itemsize, "itemsize")):
         _whole(value, what)
+    kv = _kv_heads(heads, kv_heads)
     n_chunks(P, "contiguous")                                                   # P a whole number ≥ 1
-    block = b * (s // P) * heads * d * itemsize                                  # one of q, k, v on a rank
+    block_q = b * (s // P) * heads * d * itemsize                                # q (or the output) on a rank
+    block_kv = b * (s // P) * kv * d * itemsize                                  # k (or v) on a rank
     if method == "ring":
         check_sequence(s, P, layout)
-        forward = (P - 1) * 2 * block
-        backward = (P - 1) * 2 * block + (P * 2 * block * max(4, itemsize) // itemsize if P > 1 else 0)
+        forward = (P - 1) * 2 * block_kv
+        backward = (P - 1) * 2 * block_kv + (P * 2 * block_kv * max(4, itemsize) // itemsize if P > 1 else 0)
         scores = max(work_per_rank(s, P, layout, causal)) * b * heads
-        memory = 6 * block
+        memory = 2 * block_q + 4 * block_kv
     else:
         check_sequence(s, P, "contiguous")
-        check_ulysses(heads, P)
-        forward = backward = 4 * (P - 1) * block / P
+        check_ulysses(heads, P, kv_heads=kv)
+        forward = backward = (P - 1) * (2 * block_q + 2 * block_kv) / P
         scores = b * (heads // P) * (s * (s + 1) // 2 if causal else s * s)
-        memory = 8 * block
+        memory = 4 * block_q + 4 * block_kv
     return dict(forward=forward, backward=backward, sent=forward + backward, scores=scores,
-                flops=4 * d * scores, memory=memory)
+                flops=4 * d * scores, backward_flops=10 * d * scores, memory=memory)
+
+
+def ring_step(c: int, heads: int, d: int, kv_heads: int | None = None, itemsize: int = 2, causal: bool = False,
+              grad_itemsize: int | None = None) -> dict:
+    """One ring step after the first, per sequence of the batch, on a rank holding ``c`` tokens.
+
+    FLOPs it computes and bytes it moves, forward and backward, with a balanced layout: a
+    whole c × c block per step without a mask, half of one under a causal mask (zigzag's two
+    of its four pieces, section 4 of chapter 04). Forward: 4·d FLOPs per score, k and v moved.
+    Backward: 10·d FLOPs per score (:func:`cp_costs`), k and v moved and the gradients of the
+    block before, in ``grad_itemsize`` bytes per number — this implementation's float32
+    (``max(4, itemsize)``) by default; Transformer Engine's ring sends them in the inputs'
+    own type (pass ``itemsize``).
+    """
+    for value, what in ((c, "tokens per rank c"), (heads, "heads"), (d, "head dimension"), (itemsize, "itemsize")):
+        _whole(value, what)
+    kv = _kv_heads(heads, kv_heads)
+    grad = max(4, itemsize) if grad_itemsize is None else _whole(grad_itemsize, "grad_itemsize")
+    scores = c * c * heads / (2 if causal else 1)
+    kv_bytes = 2 * c * kv * d * itemsize
+    return dict(forward_flops=4 * d * scores, backward_flops=10 * d * scores, forward_bytes=kv_bytes,
+                backward_bytes=kv_bytes + 2 * c * kv * d * grad)
+
+
+def overlap_tokens(flops_per_s: float, bytes_per_s: float, heads: int = 1, d: int = 128,
+                   kv_heads: int | None = None, itemsize: int = 2, causal: bool = False, phase: str = "forward",
+                   grad_itemsize: int | None = None) -> float:
+    """Tokens per rank above which a ring step's transfer hides behind its attention.
+
+    A step computes ∝ c² and moves ∝ c (:func:`ring_step`): at ``flops_per_s`` and
+    ``bytes_per_s`` the two take equally long at c = bytes(1)·F / (FLOPs(1)·B). Forward,
+    without a mask and grouped-query attention, that is e·F/(2B), Liu et al.'s condition; a
+    causal mask doubles it, GQA scales it by kv_heads/heads. The backward computes 2.5 times
+    the FLOPs and, with float32 gradients beside bfloat16 k and v, moves 3 times the bytes:
+    its threshold is 3/2.5 = 1.2 times the forward's.
+    """
+    if phase not in ("forward", "backward"):
+        raise ValueError(f"phase must be 'forward' or 'backward', got {phase!r}")
+    for value, what in ((flops_per_s, "flops_per_s"), (bytes_per_s, "bytes_per_s")):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{what} must be a positive, finite number, got {value!r}")
+    one = ring_step(1, heads, d, kv_heads, itemsize, causal, grad_itemsize)
+    return one[f"{phase}_bytes"] * flops_per_s / (one[f"{phase}_flops"] * bytes_per_s)

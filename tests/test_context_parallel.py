@@ -558,3 +558,94 @@ def test_cp_costs_rejects_zero_ranks(method):
 
 def test_nothing_here_starts_a_process_group():
     assert not dist.is_initialized()
+
+
+# ------------------------------------------------------------------ (f) grouped-query attention and the backward's costs
+
+@pytest.mark.parametrize("P", [1, 2, 4])
+def test_cp_costs_with_grouped_query_attention(P):
+    """The ring moves only the kv heads; Ulysses' q and output all-to-alls keep all heads."""
+    s, b, heads, kv, d, e = 64, 2, 8, 2, 16, 2
+    q_block, kv_block = b * (s // P) * heads * d * e, b * (s // P) * kv * d * e
+    ring = cp.cp_costs(s, b, heads, d, P, "ring", True, "zigzag", e, kv_heads=kv)
+    assert ring["forward"] == 2 * (P - 1) * kv_block
+    assert ring["backward"] == 2 * (P - 1) * kv_block + (2 * P * kv_block * 4 // e if P > 1 else 0)
+    assert ring["memory"] == 2 * q_block + 4 * kv_block
+    full = cp.cp_costs(s, b, heads, d, P, "ring", True, "zigzag", e)
+    assert ring["forward"] * heads == full["forward"] * kv and ring["scores"] == full["scores"]
+    uly = cp.cp_costs(s, b, heads, d, P, "ulysses", True, itemsize=e, kv_heads=kv) if kv % P == 0 else None
+    if uly is not None:
+        assert uly["forward"] == pytest.approx((P - 1) / P * (2 * q_block + 2 * kv_block))
+    for c in (ring, full):
+        assert c["backward_flops"] == 10 * d * c["scores"] == 2.5 * c["flops"]
+
+
+def test_cp_costs_rejects_kv_heads_that_do_not_divide_the_heads():
+    with pytest.raises(ValueError, match=re.escape("the number of heads 8 is not divisible by the number of "
+                                                   "key/value heads 3")):
+        cp.cp_costs(64, 1, 8, 16, 2, "ring", kv_heads=3)
+    with pytest.raises(ValueError, match="kv_heads/P whole key/value heads: 2 key/value heads"):
+        cp.cp_costs(64, 1, 8, 16, 4, "ulysses", kv_heads=2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_ring_step_sums_to_cp_costs(P, causal):
+    """Steps 1..P−1 of the ring: forward bytes (P−1)·step; backward P−1 k, v moves and P gradient
+    moves; FLOPs: a whole block per step, or zigzag's half block under a causal mask."""
+    s, heads, kv, d, e = 32 * P, 4, 2, 8, 2
+    c = s // P
+    step = cp.ring_step(c, heads, d, kv, e, causal)
+    costs = cp.cp_costs(s, 1, heads, d, P, "ring", causal, "zigzag", e, kv_heads=kv)
+    assert (P - 1) * step["forward_bytes"] == costs["forward"]
+    grads = step["backward_bytes"] - step["forward_bytes"]
+    assert (P - 1) * step["forward_bytes"] + P * grads == costs["backward"]
+    assert grads == step["forward_bytes"] * 4 // e                     # float32 dk, dv beside bf16 k, v
+    steps = cp.work_per_step(s, P, "zigzag", causal)
+    assert all(4 * d * w * heads == step["forward_flops"] for w in steps[0][1:])
+    assert step["backward_flops"] == 2.5 * step["forward_flops"]
+    assert cp.ring_step(c, heads, d, kv, e, causal, grad_itemsize=e)["backward_bytes"] == 2 * step["forward_bytes"]
+
+
+def test_overlap_tokens_is_liu_et_als_condition_and_the_backward_needs_more():
+    F, B, e = 5e14, 5e10, 2
+    assert cp.overlap_tokens(F, B, 8, 128, itemsize=e) == pytest.approx(e * F / (2 * B))
+    assert cp.overlap_tokens(F, B, 8, 128, itemsize=e, causal=True) == pytest.approx(e * F / B)
+    assert cp.overlap_tokens(F, B, 128, 128, 8, e, True) == pytest.approx(e * F / B * 8 / 128)
+    fwd = cp.overlap_tokens(F, B, 8, 128, itemsize=e, causal=True)
+    assert cp.overlap_tokens(F, B, 8, 128, itemsize=e, causal=True, phase="backward") == pytest.approx(1.2 * fwd)
+    assert cp.overlap_tokens(F, B, 8, 128, itemsize=e, causal=True, phase="backward",
+                             grad_itemsize=e) == pytest.approx(0.8 * fwd)
+    # float32 inputs: float32 gradients too, twice the bytes, 0.8 of the forward's threshold
+    assert cp.overlap_tokens(F, B, 8, 128, itemsize=4, phase="backward") == pytest.approx(
+        0.8 * cp.overlap_tokens(F, B, 8, 128, itemsize=4))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(phase="both"), "phase must be 'forward' or 'backward', got 'both'"),
+    (dict(flops_per_s=0), "flops_per_s must be a positive, finite number, got 0"),
+    (dict(bytes_per_s=float("inf")), "bytes_per_s must be a positive, finite number, got inf"),
+    (dict(kv_heads=3), "the number of heads 8 is not divisible by the number of key/value heads 3"),
+    (dict(grad_itemsize=0), "grad_itemsize must be a whole number ≥ 1, got 0"),
+])
+def test_overlap_tokens_errors_name_the_rule(kwargs, message):
+    args = dict(flops_per_s=5e14, bytes_per_s=5e10, heads=8, d=128)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cp.overlap_tokens(**args)
+
+
+@pytest.mark.parametrize("heads, P, kv_heads", [(8, 2, 4), (8, 4, 4), (16, 2, 2), (4, 1, 1)])
+def test_check_ulysses_accepts_kv_heads_divisible_by_P(heads, P, kv_heads):
+    assert cp.check_ulysses(heads, P, kv_heads=kv_heads) is None
+
+
+@pytest.mark.parametrize("heads, P, kv_heads, message", [
+    (8, 4, 2, "2 key/value heads are not divisible by the context-parallel degree P=4 (P > kv_heads)"),
+    (12, 2, 3, "3 key/value heads are not divisible by the context-parallel degree P=2"),
+    (8, 2, 3, "the number of heads 8 is not divisible by the number of key/value heads 3"),
+    (8, 2, 0, "the number of key/value heads must be a whole number ≥ 1, got 0"),
+])
+def test_check_ulysses_names_the_kv_rule(heads, P, kv_heads, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cp.check_ulysses(heads, P, kv_heads=kv_heads)

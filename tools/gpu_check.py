@@ -25,6 +25,7 @@ PROGRAMS = [
     ("intralayer.programs.tp_block", [], None),
     ("intralayer.programs.sp_block", [], None),
     ("intralayer.programs.cp_attention", [], None),
+    ("intralayer.programs.cp_tp", [], 4),
     ("intralayer.programs.ep_moe", [], None),
     ("intralayer.programs.mesh_demo", [], 4),
     ("intralayer.programs.overlap_tp", ["--time", "--trace", str(Path(tempfile.gettempdir()) / "overlap_tp_traces")],

@@ -11,7 +11,22 @@ Part 2. With causal attention, each rank counts the attention scores it computed
 the count against ``context_parallel.work_per_rank``.
 
 Part 3. Each rank's bytes sent, recorded by ``comm.accounting``, checked against
-``context_parallel.cp_costs``. Rank 0 prints the tables; ``--out`` writes them as JSON.
+``context_parallel.cp_costs``.
+
+Part 4. Time, not counts: with causal attention at one larger size (``--time-seq-len``),
+each rank runs the ring's forward pass ``--repeats`` times for each layout and records the
+thread CPU time it spent in the block computations (``context_parallel.counting``'s clock,
+``time.thread_time``: one thread per rank, so the compute itself and not the waits nor the
+other processes on the cores). Rank 0 prints each rank's median and spread, and the
+busiest rank's median over the mean next to the same ratio of the schedule's counts.
+On a GPU the clock synchronises first.
+
+Part 5 (``--tp t``). The grid of ``intralayer.programs.cp_tp``: tensor parallelism over t
+ranks times context parallelism over the rest, one attention layer with grouped-query
+attention, ring and Ulysses, against the dense layer.
+
+Rank 0 prints the tables; ``--out`` writes them as JSON (``--no-time-table`` keeps part 4's
+table, whose times vary from run to run, out of the printed output).
 
 Laptop (gloo, CPU)::
 
@@ -29,6 +44,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -37,6 +54,7 @@ import torch.nn.functional as F
 
 from intralayer import comm, distributed
 from intralayer import context_parallel as cp
+from intralayer.programs import cp_tp
 from intralayer.programs.common import error_label
 
 METHODS = tuple(f"ring, {layout}" for layout in cp.LAYOUTS) + ("Ulysses",)
@@ -84,6 +102,45 @@ def check(d, b, heads, s, dh, causal, seed) -> dict:
     return results
 
 
+def clock_for(device):
+    """This rank's compute clock: thread CPU time on a CPU; on a GPU, wall time after a synchronise."""
+    if device.type == "cuda":
+        return lambda: (torch.cuda.synchronize(device), time.perf_counter())[1]
+    return time.thread_time
+
+
+def time_layouts(d, s, b, heads, dh, repeats, seed=99) -> dict:
+    """Per layout: this rank's compute seconds in each causal ring forward, after one warm-up run.
+
+    The layouts take turns within each repeat, so a spell of contention from other work on
+    the machine falls on all three alike rather than on one.
+    """
+    torch.manual_seed(seed)
+    q, k, v = (torch.randn(b, heads, s, dh, device=d.device) for _ in range(3))
+    mine = {layout: [cp.shard_sequence(t, 2, d.group, layout) for t in (q, k, v)] for layout in cp.LAYOUTS}
+    out = {layout: [] for layout in cp.LAYOUTS}
+    for i in range(repeats + 1):
+        for layout in cp.LAYOUTS:
+            dist.barrier(d.group)                                     # every rank starts the ring together
+            with torch.no_grad(), cp.counting(clock_for(d.device)) as work:
+                cp.ring_attention(*mine[layout], d.group, causal=True, layout=layout)
+            if i:
+                out[layout].append(work.seconds)
+    return out
+
+
+def report_times(every, s, P) -> None:
+    print(f"\nCausal ring forward, s = {s:,} on P = {P}: compute time per rank (thread CPU time, ms), "
+          f"median of {len(every[0]['contiguous'])} runs [min–max]")
+    for layout in cp.LAYOUTS:
+        med = [statistics.median(rank[layout]) for rank in every]
+        spread = " ".join(f"{1e3 * m:6.1f} [{1e3 * min(rank[layout]):.1f}–{1e3 * max(rank[layout]):.1f}]"
+                          for m, rank in zip(med, every))
+        counts = cp.work_per_rank(s, P, layout, causal=True)
+        print(f"{layout:10} {spread}   busiest / mean: measured {max(med) / statistics.mean(med):.2f}, "
+              f"schedule's count {max(counts) / statistics.mean(counts):.2f}")
+
+
 @record
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -93,11 +150,19 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", "--b", dest="b", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--head-dim", "--d", dest="d", type=int, default=8, help="head dimension")
+    ap.add_argument("--time-seq-len", dest="time_s", type=int, default=2048,
+                    help="sequence length of part 4's timed causal rings (0: no timing)")
+    ap.add_argument("--repeats", type=int, default=7, help="timed runs of each layout (after one warm-up)")
+    ap.add_argument("--no-time-table", dest="time_table", action="store_false",
+                    help="leave part 4's table out of the printed output (it is still in --out's JSON)")
+    ap.add_argument("--tp", type=int, default=0, help="part 5: the TP × CP grid with this tensor-parallel degree")
     ap.add_argument("--out", help="write rank 0's tables to this JSON file")
     a = ap.parse_args(argv)
     with distributed.setup() as d:
         P = d.world_size
         cp.check_sequence(a.s, P, "zigzag")
+        if a.time_s:
+            cp.check_sequence(a.time_s, P, "zigzag")
         shapes = [(a.b, a.heads, a.s, a.d), (1, 2 * a.heads, a.s // 2, a.d // 2 or 1)]
         table = []
         for i, (b, heads, s, dh) in enumerate(shapes):
@@ -114,13 +179,22 @@ def main(argv=None) -> None:
                         if r["scores"] != want:
                             raise AssertionError(f"{method}: computed {r['scores']} scores, expected {want}")
                     table.append(dict(shape=[b, heads, s, dh], causal=causal, method=method, **r))
-        every = [None] * P
+        times = time_layouts(d, a.time_s, 1, 2, 32, a.repeats) if a.time_s else None
+        grid = cp_tp.run_grid(d, a.tp, cp_tp.SHAPE) if a.tp else None
+        every, every_time = [None] * P, [None] * P
         dist.all_gather_object(every, table)
+        dist.all_gather_object(every_time, times)
         if d.is_main:
             report(d, every)
+            if a.time_s and a.time_table:
+                report_times(every_time, a.time_s, P)
+            if grid:
+                print(f"\nComposed with tensor parallelism (intralayer.programs.cp_tp), {P // a.tp} × {a.tp} grid:")
+                cp_tp.report(grid, a.tp, P // a.tp, **cp_tp.SHAPE)
+            print("\nall checks passed on every rank")
             if a.out:
                 with open(a.out, "w") as f:
-                    json.dump(dict(P=P, ranks=every), f, indent=1)
+                    json.dump(dict(P=P, ranks=every, time_s=a.time_s, times=every_time), f, indent=1)
 
 
 def report(d, every) -> None:
@@ -133,7 +207,8 @@ def report(d, every) -> None:
         print(f"{str(tuple(row['shape'])):17} {str(row['causal']):6} {row['method']:17} "
               + " ".join(f"{error_label(worst[k]):>7}" for k in ("out", "dq", "dk", "dv"))
               + f" {row['forward']:9.0f} {row['backward']:9.0f}")
-    print("\nCausal attention: scores computed by each rank (first shape), = context_parallel.work_per_rank")
+    print("\nCausal attention: scores each rank counted as it computed them (first shape), "
+          "= context_parallel.work_per_rank")
     first = [i for i, row in enumerate(every[0]) if row["causal"] and row["shape"] == every[0][0]["shape"]]
     for i in first:
         row = every[0][i]
@@ -142,7 +217,6 @@ def report(d, every) -> None:
         counts = [rank[i]["scores"] for rank in every]
         print(f"{row['method']:17} " + " ".join(f"{c:7d}" for c in counts)
               + f"   busiest / least busy = {max(counts) / min(counts):.2f}")
-    print("\nall checks passed on every rank")
 
 
 if __name__ == "__main__":

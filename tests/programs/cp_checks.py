@@ -8,7 +8,11 @@ causal and not, in float32, float64 and bfloat16, and with scores of order 1e4. 
 checks ``shard_sequence`` / ``unshard_sequence`` (round trip and backward), the scores
 each rank computes (``counting`` against ``work_per_rank``), the bytes each rank sends
 (``comm.accounting`` against ``cp_costs``), and that bad input raises a ``ValueError``
-that names the rule, before any rank communicates.
+that names the rule, before any rank communicates. Grouped-query attention (k, v with fewer
+heads than q) is checked the same way; the backward's dk, dv moves must overlap the next
+step's compute (the order of events); and ``intralayer.programs.cp_tp``'s attention layer,
+tensor parallelism over heads composed with context parallelism over the sequence, must
+equal the dense layer on every grid the world size allows with t ≤ 2.
 
 Any mismatch raises, so the rank, and the launch, fail; when every check passed on
 every rank, rank 0 prints ``MARKER`` followed by the number of ranks.
@@ -170,11 +174,11 @@ def attention_tol(dtype, q, k, v, dout, causal, P, both=2, extra=0):
     return tol
 
 
-def check_costs(method, work, acc, fwd, s, b, heads, d, P, r, causal, itemsize, what):
+def check_costs(method, work, acc, fwd, s, b, heads, d, P, r, causal, itemsize, what, kv_heads=None):
     """Bytes sent against cp_costs; for the ring, scores computed against work_per_rank."""
     lay = layout_of(method)
     costs = cp.cp_costs(s, b, heads, d, P, "ulysses" if method == "ulysses" else "ring", causal, lay,
-                        itemsize=itemsize)
+                        itemsize=itemsize, kv_heads=kv_heads)
     expect(fwd == costs["forward"], f"{what}: sent {fwd} bytes forward, cp_costs says {costs['forward']}")
     bwd = acc.sent(phase="backward")
     expect(bwd == costs["backward"], f"{what}: sent {bwd} bytes backward, cp_costs says {costs['backward']}")
@@ -324,6 +328,93 @@ def check_large_scores(P, r, group):
                             attention_tol(torch.float32, qq, kk, v, dout, causal, P, both=1))
 
 
+# ---------------------------------------------------------------------------- grouped-query attention
+
+def gqa_reference(q, k, v, dout, causal):
+    """SDPA on the whole sequence with k, v repeated for each group of query heads: the
+    gradients of the unrepeated k, v sum over their group (autograd through repeat_interleave)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    g = q.shape[1] // k.shape[1]
+    out = F.scaled_dot_product_attention(leaves[0], *(t.repeat_interleave(g, 1) for t in leaves[1:]),
+                                         is_causal=causal)
+    out.backward(dout)
+    return {"out": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+
+
+def check_gqa(P, r, group):
+    """k and v with fewer heads than q: every ring layout (and Ulysses where P divides the
+    key/value heads) against SDPA, forward and backward; the ring moves only the kv heads."""
+    for b, heads, kv, sl, d in ((2, 4, 2, 4, 4), (1, 2 * P, P, 2, 8), (1, 6, 1, 4, 2)):
+        s = sl * P
+        q, dout = (randn(b, heads, s, d, seed=800 + j) for j in range(2))
+        k, v = (randn(b, kv, s, d, seed=810 + j) for j in range(2))
+        for causal in (False, True):
+            ref = gqa_reference(q, k, v, dout, causal)
+            for method in METHODS:
+                if method == "ulysses" and (heads % P or kv % P):
+                    continue
+                what = f"GQA {heads}/{kv} heads {method} causal={causal}"
+                got, work, acc, fwd = parallel(method, q, k, v, dout, group, causal)
+                expect(got["dk"].shape[1] == kv, f"{what}: dk has {got['dk'].shape[1]} heads, want {kv}")
+                compare(got, ref, method, group, what)                      # float32 defaults
+                check_costs(method, work, acc, fwd, s, b, heads, d, P, r, causal, 4, what, kv_heads=kv)
+
+
+# ---------------------------------------------------------------------------- overlap of the backward
+
+def check_backward_overlap(P, r, group):
+    """The backward's dk, dv moves overlap compute: each but the last is waited for only after
+    the next ring step's block computations have run (the order of events, logged here)."""
+    events = []
+    real_start, real_scores = cp.comm.ring_exchange_start, cp._scores
+
+    def start(tensors, shift=1, group=None, label="", phase="forward"):
+        pending = real_start(tensors, shift, group, label, phase)
+        events.append(("start", label, phase))
+
+        class Logged:
+            def wait(self):
+                events.append(("wait", label, phase))
+                return pending.wait()
+        return Logged()
+
+    def scores(*args):
+        events.append(("compute", "", ""))
+        return real_scores(*args)
+
+    q, k, v, dout = (randn(1, 2, 2 * P, 4, seed=900 + j) for j in range(4))
+    cp.comm.ring_exchange_start, cp._scores = start, scores
+    try:
+        parallel("ring contiguous", q, k, v, dout, group, causal=False)     # every step computes
+    finally:
+        cp.comm.ring_exchange_start, cp._scores = real_start, real_scores
+    grads = [i for i, e in enumerate(events) if e[1] == "ring dk,dv"]
+    expect(len(grads) == 2 * P, f"{len(grads) // 2} dk, dv exchanges, want P = {P}: {events}")
+    for n, (i, j) in enumerate(zip(grads[::2], grads[1::2])):
+        expect(events[i][0] == "start" and events[j][0] == "wait", f"dk, dv exchange {n}: {events[i:j + 1]}")
+        if n < P - 1:
+            computed = sum(e[0] == "compute" for e in events[i:j])
+            expect(computed > 0, f"dk, dv exchange {n} of {P} is waited for before any compute: serialised "
+                                 f"({events[i:j + 1]})")
+
+
+# ---------------------------------------------------------------------------- composed with tensor parallelism
+
+def check_tp_cp(P, r, group):
+    """intralayer.programs.cp_tp's layer (TP over heads × CP over the sequence, GQA) against the
+    dense layer on every grid the world allows with t ≤ 2, ring and Ulysses: output, input and
+    weight gradients, the ring's bytes (a_kv/t heads) and where each collective ran."""
+    from intralayer.programs import cp_tp
+
+    device = torch.device("cpu") if dist.get_backend(group) == "gloo" else torch.device("cuda", torch.cuda.current_device())
+    for t in (1, 2):
+        if P % t:
+            continue
+        for method in cp_tp.METHODS:
+            res = cp_tp.check_layer(device, t, P // t, method)
+            expect(res["tp"] == r % t and res["cp"] == r // t, f"grid position {res['tp'], res['cp']} of rank {r}")
+
+
 # ---------------------------------------------------------------------------- shard / unshard
 
 def check_shard_unshard(P, r, group):
@@ -369,6 +460,21 @@ def check_bad_input(P, r, group):
     raises(lambda: cp.unshard_sequence(odd, 2, group, "zigzag"), "zigzag", "3 tokens do not split into 2",
            what="unshard zigzag, odd shard")
 
+    gqa_q, gqa_kv = randn(1, 4 * P, 2, 4, seed=707), randn(1, 3, 2, 4, seed=708)      # 3 ∤ 4P
+    for name, fn in (("ring", cp.ring_attention), ("ulysses", cp.ulysses_attention)):
+        raises(lambda: fn(gqa_q, gqa_kv, gqa_kv, group), "same shape", "divides q's", "(1, 3, 2, 4)",
+               what=f"{name}: key/value heads that do not divide the query heads")
+    one_kv = randn(1, 1, 2, 4, seed=709)
+    raises(lambda: cp.ulysses_attention(randn(1, 2 * P, 2, 4, seed=710), one_kv, one_kv, group),
+           "kv_heads/P", f"1 key/value heads are not divisible by the context-parallel degree P={P}",
+           what="Ulysses, one key/value head")
+    from intralayer.programs import cp_tp
+    raises(lambda: cp_tp.check_grid(8, 2, 2, P, "Ulysses", 4 * P), "kv_heads/P",
+           f"1 key/value heads are not divisible by the context-parallel degree P={P}",
+           what="Ulysses inside TP: a_kv/t = 1")
+    raises(lambda: cp_tp.check_grid(8, 2, 4, P, "ring", 4 * P), "2 key/value heads are not divisible",
+           "tensor-parallel degree t=4", what="TP over more ranks than key/value heads")
+
     three = randn(1, 3, 2, 4, seed=704)
     raises(lambda: cp.ulysses_attention(three, three, three, group), "Ulysses",
            f"3 heads are not divisible by the context-parallel degree P={P}", what="Ulysses, 3 heads")
@@ -399,7 +505,8 @@ def check_bad_input(P, r, group):
 
 
 #: Every check, in the order main runs them; each is also a test item of its own (tests.programs.checks.run_check).
-CHECKS = (check_bad_input, check_float32, check_float64, check_bfloat16, check_large_scores, check_shard_unshard)
+CHECKS = (check_bad_input, check_float32, check_float64, check_bfloat16, check_large_scores, check_shard_unshard,
+          check_gqa, check_backward_overlap, check_tp_cp)
 
 
 @record
@@ -417,6 +524,9 @@ def main(argv=None) -> None:
             check_bfloat16(P, r, group)
             check_large_scores(P, r, group)
             check_shard_unshard(P, r, group)
+            check_gqa(P, r, group)
+            check_backward_overlap(P, r, group)
+            check_tp_cp(P, r, group)
             marker = MARKER
         else:
             raise SystemExit(f"unknown arguments {argv}; expected none or 'float64-ring'")
