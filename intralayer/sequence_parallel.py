@@ -23,6 +23,24 @@ slice of its input for the backward pass and gathers it again there (one more
 all-gather per column layer, backward: the backward pass sends 1.5 times tensor
 parallelism's bytes); ``keep_gathered=True`` keeps the gathered input instead, trading
 ``(t−1)/t·sbh`` numbers of memory for that all-gather.
+
+The model's edges, as Megatron-Core places them (:class:`SequenceParallelGPT`):
+
+- :class:`SequenceParallelEmbedding` enters the region: each rank's vocabulary-parallel
+  lookup is a partial sum over the vocabulary, and a **reduce-scatter** along the
+  sequence (backward: an all-gather) gives each rank the sum for its ``s/t`` tokens —
+  Megatron-Core's ``reduce_scatter_embeddings``, in place of tensor parallelism's
+  all-reduce;
+- the LM head leaves it: a :class:`SequenceParallelColumnLinear` gathers the final
+  LayerNorm's output (backward: a reduce-scatter), and the ``(s, b, v/t)`` logits go to
+  the vocabulary-parallel cross-entropy.
+
+Dropout under sequence parallelism: every rank holds different tokens, so every dropout —
+after the embedding, on the attention probabilities, on the residual stream — draws from
+the rank's own tensor-parallel generator (``seed + 2718 + rank``;
+:func:`seed_sequence_parallel_dropout`). A seed shared by the ranks would give every
+rank's chunk of the sequence the same mask. :func:`seed_dense_sequence_dropout` makes the
+dense twin draw the same masks, chunk by chunk (:func:`sequence_dropout`).
 """
 from __future__ import annotations
 
@@ -33,10 +51,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import comm
-from .model import Block
+from .model import Block, TinyGPT, _check_p, dropout
 from .rules import check_like, check_shape, whole as _whole
 from .tensor_parallel import (ColumnParallelLinear, ParallelAttention, ParallelBlock as TensorParallelBlock,
-                              ParallelMLP, RowParallelLinear, check_degrees, degree)
+                              ParallelMLP, RNGTracker, RowParallelLinear, VocabParallelEmbedding, check_degrees,
+                              degree, model_parallel_seed, vocab_parallel_cross_entropy)
 
 
 def check_sequence(s: int, t: int) -> None:
@@ -142,12 +161,162 @@ class ParallelBlock(TensorParallelBlock):
         One all-reduce of all of them flattened together. Without sequence parallelism
         every rank already holds the full gradient, and nothing is sent.
         """
-        if not self.sequence_parallel:
-            return
-        params = [p for p in self.replicated_parameters() if p.grad is not None]
-        if not params:
-            raise ValueError("sync_grads: no gradients yet — run backward first")
-        flat = comm.raw_all_reduce(torch.cat([p.grad.flatten() for p in params]), self.group, "backward",
-                                "replicated grads")
-        for p, g in zip(params, flat.split([p.numel() for p in params])):
-            p.grad.copy_(g.view_as(p.grad))
+        if self.sequence_parallel:
+            sum_grads(self.replicated_parameters(), self.group)
+
+
+def sum_grads(params: list[nn.Parameter], group) -> None:
+    """Sum the gradients of ``params`` over ``group``: one all-reduce of all of them flattened together.
+
+    Under sequence parallelism each rank's gradient of a replicated parameter covers only
+    its own tokens (Megatron-Core's ``_allreduce_non_tensor_model_parallel_grads`` sums the
+    parameters marked ``sequence_parallel`` the same way, once per step).
+    """
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        raise ValueError("sync_grads: no gradients yet — run backward first")
+    flat = comm.raw_all_reduce(torch.cat([p.grad.flatten() for p in params]), group, "backward",
+                               "replicated grads")
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad.copy_(g.view_as(p.grad))
+
+
+# ---------------------------------------------------------------------------- the model's edges
+
+class SequenceParallelEmbedding(VocabParallelEmbedding):
+    """The vocabulary-parallel embedding, leaving each rank its ``(s/t, b, h)`` slice of the sequence.
+
+    Each rank looks up the ids in its ``v/t`` rows (zeros for the others): a partial sum
+    over the vocabulary of the whole ``(s, b, h)`` embedding. A reduce-scatter along the
+    sequence sums the partials and keeps this rank's ``s/t`` tokens — half the bytes of
+    tensor parallelism's all-reduce, and nothing gathered that the next layer would only
+    split. Backward: an all-gather, since every rank's rows may serve any token.
+    """
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(ids, torch.Tensor) and ids.dim() != 2:
+            raise ValueError(f"{type(self).__name__} expects token ids laid out (s, b), got shape {tuple(ids.shape)}")
+        partial = self.lookup(ids)                                            # (s, b, h), partial sums
+        check_sequence(ids.shape[0], self.t)
+        return comm.reduce_scatter(partial, 0, self.group, "embed reduce-scatter")   # (s/t, b, h)
+
+
+class SequenceParallelGPT(nn.Module):
+    """:class:`~intralayer.model.TinyGPT` with tensor and sequence parallelism, end to end.
+
+    ``(s, b)`` token ids on every rank → embedding, reduce-scattered: ``(s/t, b, h)`` →
+    dropout → blocks, each ``(s/t, b, h)`` in and out → final LayerNorm on ``s/t`` tokens →
+    the LM head's all-gather and column-parallel product: ``(s, b, v/t)`` logits → the
+    vocabulary-parallel cross-entropy of every token, the same loss on every rank.
+    ``dropout`` is the probability of every dropout (embedding, attention, residual);
+    :func:`seed_sequence_parallel_dropout` gives them their generator.
+    """
+
+    generator: torch.Generator | None = None
+
+    def __init__(self, embed: SequenceParallelEmbedding, blocks: list[ParallelBlock], ln_f: nn.LayerNorm,
+                 head: SequenceParallelColumnLinear, group, p: float):
+        super().__init__()
+        self.embed, self.blocks, self.ln_f, self.head = embed, nn.ModuleList(blocks), ln_f, head
+        self.group, self.p = group, p
+
+    @classmethod
+    def from_dense(cls, model: TinyGPT, group, dropout: float = 0.0) -> "SequenceParallelGPT":
+        if not isinstance(model, TinyGPT):
+            raise ValueError(f"SequenceParallelGPT.from_dense expects a dense TinyGPT, got {type(model).__name__}")
+        _check_p(dropout)
+        t, _ = degree(group)
+        check_degrees(t, vocab=model.embed.num_embeddings)
+        blocks = [ParallelBlock.from_dense(b, group, sequence_parallel=True) for b in model.blocks]
+        for block in blocks:
+            block.p = block.attn.p = dropout
+        return cls(SequenceParallelEmbedding.from_dense(model.embed, group), blocks, copy.deepcopy(model.ln_f),
+                   SequenceParallelColumnLinear.from_dense(model.head, group, label="head"), group, dropout)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)                                                   # (s/t, b, h)
+        x = dropout(x, self.p, self.training, self.generator)                 # this rank's tokens' mask
+        for block in self.blocks:
+            x = block(x)                                                      # (s/t, b, h)
+        return self.head(self.ln_f(x))                                        # (s, b, v/t): all tokens
+
+    def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(self(ids), targets, self.group).mean()
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """Every block's LayerNorms and row biases, and the final LayerNorm: whole on every rank."""
+        return [p for block in self.blocks for p in block.replicated_parameters()] + list(self.ln_f.parameters())
+
+    def sync_grads(self) -> None:
+        """After backward, sum the replicated parameters' gradients over the group (one all-reduce)."""
+        sum_grads(self.replicated_parameters(), self.group)
+
+
+# ---------------------------------------------------------------------------- dropout randomness
+
+def seed_sequence_parallel_dropout(model: SequenceParallelGPT, tracker: RNGTracker) -> None:
+    """Draw every dropout mask of a sequence-parallel GPT from this rank's tensor-parallel generator.
+
+    Megatron-Core runs the embedding's dropout and the whole transformer block under
+    ``get_cuda_rng_tracker().fork()`` when sequence parallelism is on: the activations
+    there are this rank's tokens (or, in the attention, its heads), so each rank draws its
+    own mask from ``seed + 2718 + rank``.
+    """
+    if not isinstance(model, SequenceParallelGPT):
+        raise ValueError(f"seed_sequence_parallel_dropout expects a SequenceParallelGPT, got {type(model).__name__}")
+    if not isinstance(tracker, RNGTracker):
+        raise ValueError(f"seed_sequence_parallel_dropout expects an RNGTracker, got {type(tracker).__name__}")
+    g = tracker["tensor-parallel"]
+    model.generator = g
+    for block in model.blocks:
+        block.generator, block.attn.generators = g, [g]
+
+
+def sequence_dropout(x: torch.Tensor, p: float, generators: list[torch.Generator],
+                     training: bool = True) -> torch.Tensor:
+    """Dropout on ``(s, b, h)`` whose mask's i-th chunk of the sequence is drawn from ``generators[i]``.
+
+    The dense view of what t sequence-parallel ranks draw, rank i on its ``s/t`` tokens.
+    """
+    if not generators or x.shape[0] % len(generators):
+        raise ValueError(f"a sequence of {x.shape[0]} tokens does not split into {len(generators or [])} "
+                         "equal chunks, one per dropout generator")
+    chunks = x.chunk(len(generators), dim=0)                                  # t × (s/t, b, h)
+    return torch.cat([dropout(c, p, training, g) for c, g in zip(chunks, generators)], dim=0)
+
+
+class _SequenceDropoutHook:
+    """A forward hook: :func:`sequence_dropout` on a module's ``(s, b, h)`` output."""
+
+    def __init__(self, p: float, generators: list[torch.Generator]):
+        self.p, self.generators = p, generators
+
+    def __call__(self, module, args, output):
+        return sequence_dropout(output, self.p, self.generators, module.training)
+
+
+def seed_dense_sequence_dropout(model: TinyGPT, seed: int, t: int, p: float) -> None:
+    """Make a dense TinyGPT drop out as t sequence-parallel ranks seeded with ``seed`` do.
+
+    Rank r draws every mask from its tensor-parallel generator ``seed + 2718 + r``: the
+    masks of its ``s/t`` tokens after the embedding and on the residual stream, and of its
+    ``a/t`` heads in the attention. The dense twin holds the t generators: the attention's
+    head groups use them as in :func:`~intralayer.tensor_parallel.seed_dense_dropout`, and
+    the embedding's, attention's and MLP's outputs get forward hooks that drop out chunk r of
+    the sequence with generator r (the block's own residual dropout is switched off, the
+    hooks stand in its place). Each generator then sees rank r's draws in rank r's order.
+    """
+    if not isinstance(model, TinyGPT):
+        raise ValueError(f"seed_dense_sequence_dropout expects a dense TinyGPT, got {type(model).__name__}")
+    _check_p(p)
+    first = model.blocks[0].attn if len(model.blocks) else None
+    check_degrees(t, h=model.embed.embedding_dim, heads=first.heads if first else None)
+    if any(isinstance(h, _SequenceDropoutHook) for h in model.embed._forward_hooks.values()):
+        raise ValueError("seed_dense_sequence_dropout: this model's dropout is seeded already")
+    device = model.embed.weight.device
+    generators = [model_parallel_seed(seed, r, device)["tensor-parallel"] for r in range(t)]
+    model.embed.register_forward_hook(_SequenceDropoutHook(p, generators))
+    for block in model.blocks:
+        block.p, block.attn.p, block.attn.generators = 0.0, p, generators
+        block.attn.register_forward_hook(_SequenceDropoutHook(p, generators))
+        block.mlp.register_forward_hook(_SequenceDropoutHook(p, generators))

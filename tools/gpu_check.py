@@ -24,6 +24,7 @@ PROGRAMS = [
     ("intralayer.programs.tp_linear", [], None),
     ("intralayer.programs.tp_block", [], None),
     ("intralayer.programs.sp_block", [], None),
+    ("intralayer.programs.sp_gpt", [], None),
     ("intralayer.programs.cp_attention", [], None),
     ("intralayer.programs.cp_tp", [], 4),
     ("intralayer.programs.ep_moe", [], None),

@@ -20,9 +20,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import torch.nn as nn
 
 from intralayer import comm, distributed, memory, model
-from intralayer.sequence_parallel import (ParallelBlock, SequenceParallelColumnLinear,
-                                          SequenceParallelRowLinear)
-from intralayer.tensor_parallel import expected_shards
+from intralayer.sequence_parallel import (ParallelBlock, SequenceParallelColumnLinear, SequenceParallelEmbedding,
+                                          SequenceParallelGPT, SequenceParallelRowLinear, seed_dense_sequence_dropout,
+                                          seed_sequence_parallel_dropout, sequence_dropout)
+from intralayer.tensor_parallel import RNGTracker, expected_shards, model_parallel_seed
 from tests.programs.checks import EXACT, expect, close, raises, dense_run
 
 # Tolerances: shards are slices and recomputation repeats the same operations (EXACT);
@@ -32,6 +33,7 @@ from tests.programs.checks import EXACT, expect, close, raises, dense_run
 MARKER = "SP CHECKS PASSED on ranks:"
 S, B, H, HEADS = 8, 2, 16, 4      # s, heads and h divisible by 2 and by 4
 SBH = S * B * H
+VOCAB, LAYERS, SEED, P_DROP = 64, 2, 1234, 0.1   # the GPT's vocabulary (divisible by 4), depth, dropout
 LAYOUTS = [  # (sequence_parallel, keep_gathered)
     (False, False), (False, True), (True, False), (True, True),
 ]
@@ -192,6 +194,151 @@ def check_memory(n, r, group):
                    f"{measured[True] - measured[False]} bytes more, want {extra}")
 
 
+# ---------------------------------------------------------------------------- the whole model
+
+def gpt_draws(tracker: RNGTracker, n: int) -> None:
+    """Replay, from ``tracker``, every mask one forward pass of the SP GPT draws on this rank.
+
+    The embedding's (s/t, b, h); per block the attention's (b, a/t, s, s), then the two
+    residual-stream masks (s/t, b, h) — all from the tensor-parallel generator.
+    """
+    g = tracker["tensor-parallel"]
+    model.dropout_mask((S // n, B, H), P_DROP, g)
+    for _ in range(LAYERS):
+        model.dropout_mask((B, HEADS // n, S, S), P_DROP, g)
+        model.dropout_mask((S // n, B, H), P_DROP, g)
+        model.dropout_mask((S // n, B, H), P_DROP, g)
+
+
+def dense_gpt(p: float, n: int) -> model.TinyGPT:
+    """The dense twin: block 0 keeps its activations, block 1 recomputes in full (generators rewound)."""
+    torch.manual_seed(41)
+    dense = model.TinyGPT(VOCAB, H, HEADS, layers=LAYERS)
+    dense.blocks[1].recompute = "full"
+    if p:
+        seed_dense_sequence_dropout(dense, SEED, n, p)
+    return dense
+
+
+def check_gpt(n, r, group):
+    """A TinyGPT with TP + SP from the embedding to the loss, against the dense model.
+
+    Entering: the vocabulary-parallel lookup's partial sums are reduce-scattered along the
+    sequence (no all-reduce); leaving: the LM head all-gathers the final LayerNorm's
+    ``s/t`` tokens; the loss is the vocabulary-parallel cross-entropy. Dropout 0 and 0.1,
+    the latter seeded as Megatron-LM seeds it under SP and replayed in the dense model.
+    """
+    g = torch.Generator().manual_seed(40)
+    ids = torch.randint(0, VOCAB, (S, B), generator=g)
+    targets = torch.randint(0, VOCAB, (S, B), generator=g)
+    for p in (0.0, P_DROP):
+        what = f"SP GPT dropout={p} on {n} ranks"
+        dense = dense_gpt(p, n)
+        par = SequenceParallelGPT.from_dense(dense, group, dropout=p)
+        expect([b.recompute for b in par.blocks] == ["none", "full"], f"{what}: recompute not copied")
+        tracker = model_parallel_seed(SEED, r)
+        if p:
+            seed_sequence_parallel_dropout(par, tracker)
+        params = dict(par.named_parameters())
+        shards = expected_shards(par, dense)
+        expect(set(shards) == set(params), f"{what}: names {sorted(params)} vs {sorted(shards)}")
+        for name, want in shards.items():
+            close(params[name].detach(), want, f"{what}: {name} shard", **EXACT)
+        if not p:
+            with torch.no_grad():
+                close(par(ids), dense(ids).chunk(n, -1)[r], f"{what}: logits, this rank's vocabulary slice")
+
+        with comm.accounting() as fwd:
+            loss_p = par.loss(ids, targets)
+        loss_d = dense.loss(ids, targets)
+        close(loss_p.detach(), loss_d.detach(), f"{what}: loss")
+        with comm.accounting() as bwd:
+            loss_p.backward()
+        loss_d.backward()
+        par.sync_grads()
+        for name, want in expected_shards(par, dense, grads=True).items():
+            expect(params[name].grad is not None, f"{what}: {name} has no gradient")
+            close(params[name].grad, want, f"{what}: {name} grad")
+        if p:   # the generator advanced by exactly one forward's masks (block 1's recomputation rewound it)
+            replay = model_parallel_seed(SEED, r)
+            gpt_draws(replay, n)
+            expect(torch.equal(tracker["tensor-parallel"].get_state(), replay["tensor-parallel"].get_state()),
+                   f"{what}: the tensor-parallel generator drew more or less than one forward's masks")
+            expect(torch.equal(tracker["default"].get_state(), model_parallel_seed(SEED, r)["default"].get_state()),
+                   f"{what}: a mask was drawn from the default generator, which every rank shares")
+        check_gpt_collectives(fwd, bwd, n, what)
+
+
+def check_gpt_collectives(fwd, bwd, n, what):
+    """The edges' collectives: reduce-scatter in, all-gather out, three per-token all-reduces for the loss."""
+    layers_fwd = {"all_gather": 2 * LAYERS, "reduce_scatter": 2 * LAYERS}
+    want_fwd = {"all_gather": layers_fwd["all_gather"] + 1 + 2,          # + the head's, + block 1 re-run (full)
+                "reduce_scatter": layers_fwd["reduce_scatter"] + 1 + 2,  # + the embedding's, + block 1 re-run
+                "all_reduce": 3}                                         # the loss: max, sum-exp, target logit
+    got = {op: fwd.count(op) + bwd.count(op, "forward") for op in want_fwd}
+    expect(got == want_fwd, f"{what}: forward collectives (with block 1's recomputation) {got}, want {want_fwd}")
+    embed = [rec for rec in fwd.records if rec.label == "embed reduce-scatter"]
+    expect(len(embed) == 1 and embed[0].op == "reduce_scatter" and embed[0].elements == SBH,
+           f"{what}: the embedding's collective {embed}: want one reduce-scatter of s·b·h = {SBH} numbers")
+    head = [rec for rec in fwd.records if rec.label == "head all-gather"]
+    expect(len(head) == 1 and head[0].elements == SBH,
+           f"{what}: the LM head's gather {head}: want one all-gather of s·b·h = {SBH} numbers")
+    loss = fwd.select("all_reduce")
+    expect(all(rec.elements == S * B for rec in loss), f"{what}: the loss's all-reduces {loss}: one number per token")
+    # Backward: the embedding's reduce-scatter turns into an all-gather; the head's gather into a
+    # reduce-scatter (and, its input kept sliced, a re-gather); the loss sends nothing.
+    back = [rec for rec in bwd.select(phase="backward") if rec.label.startswith(("embed", "head"))]
+    expect(sorted((rec.label, rec.op) for rec in back) ==
+           [("embed reduce-scatter", "all_gather"), ("head re-gather", "all_gather"),
+            ("head reduce-scatter", "reduce_scatter")], f"{what}: the edges' backward collectives {back}")
+    expect(bwd.count("all_reduce", "backward") == 0, f"{what}: all-reduces in backward: {bwd.select('all_reduce')}")
+
+
+def check_gpt_dropout_seeds(n, r, group):
+    """Why each rank needs its own seed under SP: a shared one repeats the same mask on every chunk."""
+    mask = lambda tracker: model.dropout_mask((S // n, B, H), P_DROP, tracker["tensor-parallel"]).to(torch.uint8)
+    own = gather(mask(model_parallel_seed(SEED, r)), group)          # Megatron's: seed + 2718 + rank
+    shared = gather(mask(model_parallel_seed(SEED, 0)), group)       # wrong: rank 0's seed on every rank
+    expect(all(not torch.equal(own[i], own[j]) for i in range(n) for j in range(i)),
+           "two ranks' chunks drew the same embedding-dropout mask from their own seeds")
+    expect(all(torch.equal(m, shared[0]) for m in shared), "one shared seed did not repeat the mask on every chunk")
+    # The dense view of the seeded masks is sequence_dropout's: chunk r from rank r's generator.
+    x = torch.ones(S, B, H)
+    dense_mask = sequence_dropout(x, P_DROP, [model_parallel_seed(SEED, q)["tensor-parallel"] for q in range(n)]) > 0
+    expect(torch.equal(dense_mask.chunk(n, 0)[r].to(torch.uint8), own[r]), "sequence_dropout: chunk r is not rank r's")
+
+    # A model seeded the shared way runs, and is wrong: its loss is not the dense model's.
+    g = torch.Generator().manual_seed(40)
+    ids, targets = torch.randint(0, VOCAB, (S, B), generator=g), torch.randint(0, VOCAB, (S, B), generator=g)
+    dense = dense_gpt(P_DROP, n)
+    wrong = SequenceParallelGPT.from_dense(dense, group, dropout=P_DROP)
+    seed_sequence_parallel_dropout(wrong, model_parallel_seed(SEED, 0))
+    with torch.no_grad():
+        gap = float((wrong.loss(ids, targets) - dense.loss(ids, targets)).abs())
+    expect(gap > 1e-4, f"one seed shared by the ranks gave the dense model's loss (difference {gap:.2g})")
+
+    # Bad input at the edges.
+    emb = SequenceParallelEmbedding.from_dense(dense.embed, group)
+    raises(lambda: emb(torch.zeros(S * B, dtype=torch.long)), "(s, b)", what="SP embedding: 1-D ids")
+    raises(lambda: emb(torch.zeros(S + 1, B, dtype=torch.long)), f"sequence length s={S + 1}",
+           f"tensor-parallel degree t={n}", what="SP embedding: s not divisible by t")
+    raises(lambda: emb(torch.full((S, B), VOCAB, dtype=torch.long)), f"[0, {VOCAB})", what="SP embedding: id = v")
+    raises(lambda: emb(torch.zeros(S, B)), "integer token ids", what="SP embedding: float ids")
+    raises(lambda: SequenceParallelGPT.from_dense(dense.blocks[0], group), "TinyGPT", "Block",
+           what="SP GPT from a block")
+    raises(lambda: SequenceParallelGPT.from_dense(dense, group, dropout=1.0), "[0, 1)", what="SP GPT dropout 1")
+    raises(lambda: seed_sequence_parallel_dropout(wrong, {"tensor-parallel": torch.Generator()}), "RNGTracker",
+           what="seed_sequence_parallel_dropout with a dict")
+    raises(lambda: seed_dense_sequence_dropout(dense, SEED, n, P_DROP), "seeded already",
+           what="seeding the dense twin twice")
+
+
+def gather(x: torch.Tensor, group) -> list[torch.Tensor]:
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, x.contiguous(), group=group)
+    return out
+
+
 # ---------------------------------------------------------------------------- bad input
 
 def check_bad_input(n, r, group):
@@ -248,7 +395,7 @@ def check_bad_input(n, r, group):
 
 
 #: Every check, in the order main runs them; each is also a test item of its own (tests.programs.checks.run_check).
-CHECKS = (check_layouts, check_memory, check_bad_input)
+CHECKS = (check_layouts, check_memory, check_gpt, check_gpt_dropout_seeds, check_bad_input)
 
 
 @record
