@@ -46,10 +46,11 @@ from intralayer.model import TinyGPT, dropout_mask
 from intralayer.programs.common import error_label
 from intralayer.sequence_parallel import (SequenceParallelGPT, check_sequence, seed_dense_sequence_dropout,
                                           seed_sequence_parallel_dropout)
-from intralayer.tensor_parallel import check_degrees, expected_shards, model_parallel_seed
+from intralayer.tensor_parallel import ParallelGPT, check_degrees, expected_shards, model_parallel_seed
 
 SEED = 1234
 EDGES = ("embed", "head")
+MASKS = 16          # part 2 compares this many masks of (s/t, b, h) from each rank's generator
 
 
 def _diff(got, want) -> float:
@@ -97,19 +98,37 @@ def correctness(d, a, p: float) -> dict:
                 records=[(rec.phase, rec.op, rec.label, rec.elements) for rec in acc.records])
 
 
+def tensor_parallel_edges(d, a) -> list:
+    """The same step with tensor parallelism alone (chapter 02's ParallelGPT): its edges' collectives."""
+    dense, _ = build(d, a, 0.0)
+    par = ParallelGPT.from_dense(dense, d.group)
+    ids, targets = tokens(d, a)
+    with comm.accounting() as acc:
+        par.loss(ids, targets).backward()
+    return [(rec.phase, rec.op, rec.label, rec.elements) for rec in acc.records if edge(rec.label) in EDGES]
+
+
 def shared_seed(d, a) -> dict:
     """Every rank on rank 0's generator: how often chunks' masks agree, and the loss that gives."""
-    mask = lambda rank: dropout_mask((a.s // d.world_size, a.b, a.h), a.dropout,
-                                     model_parallel_seed(SEED, rank, d.device)["tensor-parallel"])
-    own, shared = mask(d.rank), mask(0)
+    def masks(rank):                                  # the first MASKS masks of (s/t, b, h) the generator draws
+        g = model_parallel_seed(SEED, rank, d.device)["tensor-parallel"]
+        return torch.stack([dropout_mask((a.s // d.world_size, a.b, a.h), a.dropout, g) for _ in range(MASKS)])
+    own, shared = masks(d.rank), masks(0)
     every = [None] * d.world_size
     dist.all_gather_object(every, (own.cpu(), shared.cpu()))
     agree = lambda i: sum(float((m[i] == every[0][i]).float().mean()) for m in every[1:]) / (d.world_size - 1)
+    q = (1 - a.dropout) ** 2 + a.dropout ** 2        # two independent masks agree at a fraction q of positions
+    n = (d.world_size - 1) * own.numel()
+    out = dict(own_agree=agree(0), shared_agree=agree(1), independent=q, sigma=(q * (1 - q) / n) ** 0.5, positions=n)
+    if out["shared_agree"] != 1.0:
+        raise AssertionError(f"one seed shared by the ranks gave chunks different masks ({out['shared_agree']:.3f})")
+    if abs(out["own_agree"] - q) > 5 * out["sigma"]:
+        raise AssertionError(f"the ranks' own seeds agree at {out['own_agree']:.4f} of positions, not at the "
+                             f"{q:.4f} ± {out['sigma']:.4f} of independent masks")
     dense, par = build(d, a, a.dropout, shared_seed=True)
     ids, targets = tokens(d, a)
     with torch.no_grad():
-        return dict(own_agree=agree(0), shared_agree=agree(1), independent=(1 - a.dropout) ** 2 + a.dropout ** 2,
-                    loss=float(par.loss(ids, targets)), dense_loss=float(dense.loss(ids, targets)))
+        return dict(out, loss=float(par.loss(ids, targets)), dense_loss=float(dense.loss(ids, targets)))
 
 
 def edge(label: str) -> str:
@@ -132,6 +151,7 @@ def main(argv=None) -> None:
         check_degrees(d.world_size, h=a.h, heads=a.heads, ffn=4 * a.h, vocab=a.vocab)
         check_sequence(a.s, d.world_size)
         runs = {p: correctness(d, a, p) for p in (0.0, a.dropout)}
+        runs[0.0]["tp_edges"] = tensor_parallel_edges(d, a)
         wrong = shared_seed(d, a) if d.world_size > 1 else None     # part 2 compares ranks' masks
         every = [None] * d.world_size
         dist.all_gather_object(every, {p: run["errs"] for p, run in runs.items()})
@@ -168,17 +188,23 @@ def report(d, a, runs, every, wrong) -> None:
             print(f"{where:7} {phase:9} {text}")
     print(f"(block {a.layers - 1} recomputes in full: its forward collectives run again in the backward pass, "
           f"counted there as forward)")
+    print("The edges with tensor parallelism alone (chapter 02's ParallelGPT), the same step:")
+    for where in EDGES:
+        for phase in ("forward", "backward"):
+            ops = [f"{op} of {elements} ({label})" for ph, op, label, elements in runs[0.0]["tp_edges"]
+                   if ph == phase and edge(label) == where]
+            print(f"{where:7} {phase:9} {', '.join(ops) or 'nothing'}")
     if wrong is None:
         print("\n2. (one rank: no other rank's mask to compare with)\n\nall checks passed on every rank")
         return
-    print(f"\n2. One generator shared by the ranks (dropout {a.dropout}): how often rank i's embedding mask "
-          f"equals rank 0's")
+    print(f"\n2. One generator shared by the ranks (dropout {a.dropout}): how often rank i's first {MASKS} masks "
+          f"of (s/t, b, h) equal rank 0's, over {wrong['positions']} positions")
     print(f"   own seeds (seed + 2718 + rank): {wrong['own_agree']:.3f} of positions "
-          f"(independent masks: (1 − p)² + p² = {wrong['independent']:.3f})")
+          f"(independent masks: (1 − p)² + p² = {wrong['independent']:.3f} ± {wrong['sigma']:.3f})")
     print(f"   one shared seed:                {wrong['shared_agree']:.3f} — every chunk of the sequence gets the "
           f"same mask")
     print(f"   loss with the shared seed {wrong['loss']:.5f}, the dense model's (independent masks) "
-          f"{wrong['dense_loss']:.5f}")
+          f"{wrong['dense_loss']:.5f}: not the dense model's dropout")
     print("\nall checks passed on every rank")
 
 
