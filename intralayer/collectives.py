@@ -224,13 +224,18 @@ def fit_alpha_beta(op: str, n: int, sizes, times) -> Fit:
 # NCCL picks an algorithm for every collective from a model of its time: a latency that grows with
 # the number of steps, plus the bytes over a bandwidth (src/graph/tuning.cc, NVIDIA/nccl at commit
 # 5067397c, ``ncclTopoTuneModel`` and ``ncclTopoGetAlgoTime``). The figures below are that file's
-# defaults for the Simple protocol, the one NCCL uses for large messages, in microseconds.
+# defaults (``ncclTunerConstantsDefaults``), in microseconds: the ring's step over NVLink for each of
+# the three protocols, and the rest for the Simple protocol, the one NCCL uses for large messages.
 
 #: A collective's base latency (``baseLatencies``, Simple: ring and tree alike).
 NCCL_BASE_US = 8.4
+#: The latency NCCL charges one step of a ring over NVLink, by protocol (``hwLatencies``, the NVLINK
+#: row's Ring entries): chapter 00's explorer offers all three and starts at LL128's.
+NCCL_RING_NVLINK_STEP_US = {"LL": 0.6, "LL128": 1.9, "Simple": 3.4}
 #: The latency of one step, by algorithm and link (``hwLatencies``, Simple): NVLink inside a node,
 #: the network between nodes.
-NCCL_STEP_US = {("ring", "nvlink"): 3.4, ("tree", "nvlink"): 4.0, ("ring", "net"): 14.0, ("tree", "net"): 14.0}
+NCCL_STEP_US = {("ring", "nvlink"): NCCL_RING_NVLINK_STEP_US["Simple"], ("tree", "nvlink"): 4.0,
+                ("ring", "net"): 14.0, ("tree", "net"): 14.0}
 #: Inside a multi-node ring every step costs at least the network overhead (``getNetOverhead``: 1 µs on
 #: Intel x86, 2 on AMD), tripled for the Simple protocol; a cluster gives its own (``Cluster.net_overhead_us``).
 NCCL_NET_OVERHEAD_US = 1.0

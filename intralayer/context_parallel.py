@@ -621,9 +621,10 @@ def overlap_tokens(flops_per_s: float, bytes_per_s: float, heads: int = 1, d: in
                    grad_itemsize: int | None = None) -> float:
     """Tokens per rank above which a ring step's transfer hides behind its attention.
 
-    A step computes ∝ c² and moves ∝ c (:func:`ring_step`): at ``flops_per_s`` and
-    ``bytes_per_s`` the two take equally long at c = bytes(1)·F / (FLOPs(1)·B). Forward,
-    without a mask and grouped-query attention, that is e·F/(2B), Liu et al.'s condition; a
+    ``flops_per_s`` is the rate attention reaches, ηF (η the fraction of the device's peak F;
+    the course assumes it), ``bytes_per_s`` the link's B. A step computes ∝ c² and moves ∝ c
+    (:func:`ring_step`): the two take equally long at c = bytes(1)·ηF / (FLOPs(1)·B). Forward,
+    without a mask and grouped-query attention, that is e·ηF/(2B), Liu et al.'s condition; a
     causal mask doubles it, GQA scales it by kv_heads/heads. The backward computes 2.5 times
     the FLOPs and, with float32 gradients beside bfloat16 k and v, moves 3 times the bytes:
     its threshold is 3/2.5 = 1.2 times the forward's.

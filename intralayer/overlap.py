@@ -523,13 +523,14 @@ def model_times(t: int, h: int, tokens: int, chunks: int, bandwidth: float, flop
                 sm_fraction: float = 0.0) -> dict:
     """Predicted time of one all-gather + column-parallel matmul ``(tokens, h) → (tokens, 4h/t)``.
 
-    Terms: the matmul, ``2·tokens·h·4h/t`` FLOPs at ``flops`` FLOP/s, plus ``overhead`` per
+    Terms: the matmul, ``2·tokens·h·4h/t`` FLOPs at ``flops`` FLOP/s (the rate it reaches, ηF:
+    η of the GPU's peak F), plus ``overhead`` per
     kernel; an all-gather of S bytes, chapter 00's ``collective_time`` ((t−1)·α + (t−1)/t·S/B);
     one ring step, a shard of ``tokens/t·h·e`` bytes point to point, ``α + shard/B``.
     ``sm_fraction`` (φ) is the share of the GPU's SMs a communication kernel holds while it
-    runs: compute beside it runs at 1 − φ of its rate, so a step that overlaps a transfer m
-    with compute c takes ``max(m, c + φ·m)`` (0 for copy-engine transfers, which leave the
-    SMs alone; contention for memory bandwidth is not modelled).
+    runs: compute beside it runs at 1 − φ of its rate, so a step that overlaps a transfer
+    τ_send with a multiply τ_mul takes ``max(τ_send, τ_mul + φ·τ_send)`` (φ = 0 for copy-engine
+    transfers, which leave the SMs alone; contention for memory bandwidth is not modelled).
 
     ``bandwidth`` is the GPU's one-way bandwidth B, shared by everything it sends at once
     (a GPU reaches its peers through one set of NVLink ports and a switch, or one NIC).
@@ -580,13 +581,13 @@ def model_times(t: int, h: int, tokens: int, chunks: int, bandwidth: float, flop
 
 
 def ring_saving(t: int, hop: float, shard: float, overhead: float, sm_fraction: float) -> float:
-    """What the ring saves against the sequential run: ``(t−1)·(min(c, (1−φ)·m) − o)``.
+    """What the ring saves against the sequential run: ``(t−1)·(min(τ_mul, (1−φ)·τ_send) − τ_launch)``.
 
-    With m the time of one ring step's transfer (``hop``), c one shard's multiply
-    including its kernel overhead o (``shard``) and φ the communication's share of the SMs:
-    each of the t−1 overlapped steps hides the smaller of the shard's compute and the
-    (1−φ) share of the transfer, and pays one more kernel's overhead. Overlap pays when
-    min(c, (1−φ)·m) > o.
+    With τ_send the time of one ring step's transfer (``hop``), τ_mul one shard's multiply
+    including its kernel overhead τ_launch (``shard``, ``overhead``) and φ the communication's
+    share of the SMs: each of the t−1 overlapped steps hides the smaller of the shard's compute
+    and the (1−φ) share of the transfer, and pays one more kernel's overhead. Overlap pays when
+    min(τ_mul, (1−φ)·τ_send) > τ_launch.
     """
     if t < 1 or min(hop, shard, overhead) < 0 or not 0 <= sm_fraction < 1:
         raise ValueError("ring_saving needs t ≥ 1, times ≥ 0 and 0 ≤ sm_fraction < 1")

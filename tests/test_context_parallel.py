@@ -608,7 +608,7 @@ def test_ring_step_sums_to_cp_costs(P, causal):
 
 
 def test_overlap_tokens_is_liu_et_als_condition_and_the_backward_needs_more():
-    F, B, e = 5e14, 5e10, 2
+    F, B, e = 5e14, 5e10, 2                    # F: an achieved rate ηF here (half an H100-like peak)
     assert cp.overlap_tokens(F, B, 8, 128, itemsize=e) == pytest.approx(e * F / (2 * B))
     assert cp.overlap_tokens(F, B, 8, 128, itemsize=e, causal=True) == pytest.approx(e * F / B)
     assert cp.overlap_tokens(F, B, 128, 128, 8, e, True) == pytest.approx(e * F / B * 8 / 128)
