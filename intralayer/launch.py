@@ -40,6 +40,9 @@ TAIL_LINES = 25
 #: Set to "1" (by tests/conftest.py, for the notebooks nbval executes): :func:`run` uses the rank pool.
 POOL_ENV = "INTRALAYER_LAUNCH_ON_POOL"
 
+#: The thread pools every torchrun rank gets: one thread each, as on the warm pool's ranks.
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
 
 class LaunchError(RuntimeError):
     """A launch failed: a rank exited with an error, or the timeout passed."""
@@ -96,7 +99,10 @@ def run(module: str, nproc: int, args: tuple | list = (), timeout: float = 120.0
 
 def _torchrun(module: str, nproc: int, args, timeout: float, env: dict[str, str] | None) -> LaunchResult:
     logs = Path(tempfile.mkdtemp(prefix="intralayer-launch-"))
-    child_env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    # One thread per rank, whatever the caller's shell says (an inherited OMP_NUM_THREADS changed the
+    # kernels' blocking, and so the last bits of the errors the chapters print): the same settings as the
+    # warm pool's ranks (ranks.SERVER_ENV, less its hidden CUDA device). Only ``env`` may ask for more.
+    child_env = {**os.environ, **ONE_THREAD, **(env or {}), "PYTHONUNBUFFERED": "1"}
     # The process group gives up a little before the launch does, so that a rank
     # waiting for a dead peer reports the collective it was in.
     child_env.setdefault(TIMEOUT_ENV, str(max(5.0, 0.8 * timeout)))
