@@ -181,9 +181,9 @@ def block_costs(s: int, b: int, h: int, heads: int, t: int, itemsize: int = 2, f
     - ``kv_bytes``: the keys and values one device computes for the layer, 2·s·b·d times
       its key/value heads (kv_heads/t, or 1 when t > kv_heads: a shared head is held whole
       by every rank that shares it) — per layer, what an inference KV cache stores.
-    - communication: Megatron's 2 all-reduces forward and 2 backward of S = s·b·h
-      numbers; a ring sends 2(t−1)/t·S bytes per device for each. With t > kv_heads,
-      Megatron-Core adds an all-gather of the projection's output (S = s·b·w numbers)
+    - communication: Megatron's 2 all-reduces forward and 2 backward of s·b·h
+      numbers (S bytes); a ring sends 2(t−1)/t·S bytes per device for each. With t > kv_heads,
+      Megatron-Core adds an all-gather of the projection's output (s·b·w numbers, S bytes)
       forward and its reduce-scatter backward, (t−1)/t·S each (``gathers``, ``gather_S``).
     """
     ffn = 4 * h if ffn is None else ffn
