@@ -5,7 +5,7 @@ training system needs it, and held against published training runs (:data:`RECOR
 It is built from pieces, each a function of one checked :class:`Layout`: :func:`stage_memory`,
 :func:`layer_time`, :func:`tp_cost`, :func:`cp_cost`, :func:`ep_cost`, :func:`pipeline_cost` and
 :func:`dp_cost` (with :func:`tp_products`, :func:`layer_costs` and :func:`stage_time` between them);
-:func:`plan` makes the Layout and :func:`plan_of` adds the pieces up.
+:func:`plan` makes the Layout and :func:`plan_of` adds the pieces up, into a :class:`StepTime`.
 
 - **FLOPs** as Narayanan et al. 2021 count them (eq. 3 and its appendix): per token, 6 per
   multiply-add parameter of the layers' and the output head's matrix products, plus
@@ -23,7 +23,11 @@ It is built from pieces, each a function of one checked :class:`Layout`: :func:`
   products, ``n = sqrt(h · w/t)`` for an MLP of width ``w`` split ``t`` ways (chapter 02
   measured the same rise on a CPU); one curve per GPU generation, fitted on published runs
   (:func:`calibrate`), tested on others. Read as time: the products at ``η_max`` plus
-  ``n_half/n`` of that for the layer's other kernels, which FP8 does not speed up.
+  ``n_half/n`` of that for the layer's other kernels, which FP8 does not speed up. A curve
+  belongs to the software stacks of its fit runs too (:attr:`KernelCurve.stacks`); a run on
+  another stack is predicted as a range, :data:`STACK_BAND` either side (:func:`stack_band`,
+  :attr:`Plan.mfu_range`, :attr:`Plan.time_range`), the gap MegaScale published between two
+  stacks on the same model and GPUs.
 - **Memory** as Megatron-LM's ``theoretical_memory_usage.py`` counts model states: 18 bytes
   per parameter (bf16 weights, fp32 gradients, fp32 master weights and two Adam moments),
   ``6 + 12/d`` with the distributed optimizer (ZeRO-1) over ``d`` replicas; bf16 gradients
@@ -237,22 +241,50 @@ CLUSTERS = {
 
 @dataclass(frozen=True)
 class KernelCurve:
-    """``η(n) = eta_max · n / (n + n_half)``: the fraction of peak a layer's kernels reach."""
+    """``η(n) = eta_max · n / (n + n_half)``: the fraction of peak a layer's kernels reach, fitted on the runs
+    ``fitted_on``, made with the software ``stacks`` (a curve belongs to its stacks as much as to its GPUs)."""
 
     eta_max: float
     n_half: float
     fitted_on: tuple[str, ...] = ()
+    stacks: tuple[str, ...] = ()
 
     def __call__(self, n: float) -> float:
         return self.eta_max * n / (n + self.n_half)
 
 
+#: The software stacks of the published runs: the training code with its kernels, fusions, overlap and
+#: communication tuning, on the cluster it was tuned for.
+MEGATRON = "Megatron-LM (NVIDIA)"
+LLAMA3_STACK = "Meta's Llama 3 stack"
+HAI_LLM = "HAI-LLM (DeepSeek)"
+
 #: One curve per GPU generation, fitted by :func:`calibrate` on the runs of :data:`RECORD`
-#: marked ``fit`` (tests/test_planner.py refits them and compares).
+#: marked ``fit`` (tests/test_planner.py refits them and compares), with those runs' stacks.
 KERNEL_CURVES = {
-    "Ampere": KernelCurve(0.8761, 4227.8, ("Korthikanti 1T", "Korthikanti 22B")),
-    "Hopper": KernelCurve(0.5728, 1822.2, ("Llama 3 405B, 8,192 GPUs, 8K", "Megatron-Core 7.1B")),
+    "Ampere": KernelCurve(0.8761, 4227.8, ("Korthikanti 1T", "Korthikanti 22B"), (MEGATRON,)),
+    "Hopper": KernelCurve(0.5728, 1822.2, ("Llama 3 405B, 8,192 GPUs, 8K", "Megatron-Core 7.1B"),
+                          (LLAMA3_STACK, MEGATRON)),
 }
+
+#: How far two mature stacks have been published apart on the same model and GPUs: MegaScale (Jiang et al.,
+#: NSDI 2024, abstract) trains a 175B model on 12,288 GPUs at 55.2% MFU, "1.34×" Megatron-LM's MFU there.
+#: A run on a stack no curve was fitted on is predicted as a range, this factor either side (:func:`stack_band`).
+STACK_BAND = 1.34
+STACK_BAND_SOURCE = ("MegaScale (Jiang et al., NSDI 2024), abstract: a 175B model on 12,288 GPUs at 55.2% MFU, "
+                     "1.34× Megatron-LM's")
+
+
+def stack_band(cluster: Cluster, stack: str | None, efficiency: "float | KernelCurve | None" = None) -> float:
+    """The factor either side of a prediction for a run on ``stack``: 1 where the kernel curve in use was
+    fitted on that stack (or ``stack`` is None: the curve's own), :data:`STACK_BAND` where it was not. A fixed
+    ``efficiency`` (a number) is the caller's own and carries no band."""
+    if stack is not None and (not isinstance(stack, str) or not stack):
+        raise ValueError(f"stack must name a software stack (a non-empty string) or be None, got {stack!r}")
+    if stack is None or (efficiency is not None and not isinstance(efficiency, KernelCurve)):
+        return 1.0
+    curve = efficiency if isinstance(efficiency, KernelCurve) else KERNEL_CURVES.get(cluster.generation)
+    return 1.0 if curve is not None and stack in curve.stacks else STACK_BAND
 
 
 def gemm_size(m: Model, tp: int = 1, etp: int = 1, moe_layer: bool = False) -> float:
@@ -571,14 +603,46 @@ def _stage_layers(m: Model, pp: int, layout: str) -> list[tuple[int, int, bool]]
 
 # ---------------------------------------------------------------------------- the plan
 
+@dataclass(frozen=True)
+class StepTime:
+    """One step's time on the slowest pipeline stage, in seconds, by component: the ``m`` micro-batches'
+    compute, the pipeline bubble, each strategy's communication left exposed, and the wait for the slowest
+    GPU (``stragglers``); :attr:`total` adds them up."""
+
+    compute: float
+    bubble: float
+    tp_comm: float
+    cp_comm: float
+    ep_comm: float
+    pp_comm: float
+    dp_comm: float
+    stragglers: float
+
+    #: Each field with the label the chapter's charts print.
+    LABELS = {"compute": "compute", "bubble": "bubble", "tp_comm": "tp comm", "cp_comm": "cp comm",
+              "ep_comm": "ep comm", "pp_comm": "pp comm", "dp_comm": "dp comm", "stragglers": "stragglers"}
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f) for f in self.LABELS)
+
+    def parts(self) -> tuple[tuple[str, float], ...]:
+        """(label, seconds) for every component, in the order :attr:`total` adds them."""
+        return tuple((label, getattr(self, f)) for f, label in self.LABELS.items())
+
+
 @dataclass
 class Plan:
-    """Per GPU: memory by component, bytes sent per step by strategy, and the time estimate."""
+    """Per GPU: memory by component, bytes sent per step by strategy, and the time estimate.
+
+    ``stack`` is the software stack asked about (None: the kernel curve's own) and ``band`` the factor either
+    side of the prediction that the stack leaves open (:func:`stack_band`; 1 on a fitted stack):
+    :attr:`mfu_range`, :attr:`hfu_range` and :attr:`time_range` are the predicted ranges."""
 
     memory_bytes: dict
     comm_bytes: dict
     crosses_nodes: dict
-    time: dict
+    time: StepTime
     mfu: float
     hfu: float
     gpus: int
@@ -588,10 +652,26 @@ class Plan:
     ep_hidden_behind: str = ""      # what the all-to-alls overlap with ("" when they are not overlapped)
     comm_sms: int = 0               # the SMs charged to communication
     dp_algorithm: str = ""          # NCCL's choice for the gradients' buckets: "ring" or "tree" ("" without dp)
+    stack: str | None = None        # the software stack asked about (None: the kernel curve's own)
+    band: float = 1.0               # the factor either side of the prediction the stack leaves open
 
     @property
     def fits(self) -> bool:
         return self.memory_bytes["total"] <= self.memory_bytes["capacity"]
+
+    @property
+    def mfu_range(self) -> tuple[float, float]:
+        """(low, high) MFU: the prediction divided and multiplied by :attr:`band`."""
+        return self.mfu / self.band, self.mfu * self.band
+
+    @property
+    def hfu_range(self) -> tuple[float, float]:
+        return self.hfu / self.band, self.hfu * self.band
+
+    @property
+    def time_range(self) -> tuple[float, float]:
+        """(fastest, slowest) seconds per step on the stack."""
+        return self.time.total / self.band, self.time.total * self.band
 
 
 #: SMs the overlapped all-to-alls take from computation while they run, by default: DeepSeek-V3's 20 of
@@ -686,6 +766,7 @@ class Layout:
     attention_efficiency: float | None = None
     straggler_sigma: float = 0.0
     dp_latency: bool = True
+    stack: str | None = None
 
     def __post_init__(self):
         m, c, pp, vpp, dp, mbs = self.model, self.cluster, self.pp, self.vpp, self.dp, self.micro_batch
@@ -744,6 +825,7 @@ class Layout:
             raise ValueError(f"DualPipe feeds micro-batches from both ends, an even number and at least 2·pp = "
                              f"{2 * pp} (DeepSeek's dualpipe.py asserts both): {mb} per replica")
         object.__setattr__(self, "modules", _check_modules(m, self.recompute_modules))
+        object.__setattr__(self, "band", stack_band(c, self.stack, self.efficiency))
 
     @property
     def micro_batches(self) -> int:
@@ -1082,7 +1164,8 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
          node_limit: int | None = None, ep_overlap: bool | str = False, comm_sms: int | None = None,
          ep_imbalance: float = 1.0, schedule: str = "1f1b",
          pp_layout: str = "even", recompute_modules: tuple = (), vpp_group: int | None = None,
-         attention_efficiency: float | None = None, straggler_sigma: float = 0.0, dp_latency: bool = True) -> Plan:
+         attention_efficiency: float | None = None, straggler_sigma: float = 0.0, dp_latency: bool = True,
+         stack: str | None = None) -> Plan:
     """Memory, traffic and time per GPU for ``model`` on ``cluster`` with this layout.
 
     A step processes ``global_batch`` sequences of ``seq_len`` tokens (default: 8
@@ -1114,11 +1197,15 @@ def plan(model: Model, cluster: Cluster, tp: int = 1, sp: bool = False, cp: int 
     (:func:`.collectives.nccl_time`: its latency grows with the ring, NCCL's tree where that is faster);
     overlapped, the last bucket of gradients and the first of weights stay exposed. ``dp_latency=False``
     charges their bandwidth alone, nothing exposed behind enough compute (for comparison).
+
+    ``stack`` names the software stack the run uses (None: the one the kernel curve was fitted on). On a
+    stack the curve was not fitted on, the plan's :attr:`Plan.mfu_range` and :attr:`Plan.time_range` span
+    :data:`STACK_BAND` either side of the prediction (:func:`stack_band`); the prediction itself is unchanged.
     """
     lay = Layout(model, cluster, tp, sp, cp, ep, pp, dp, micro_batch, seq_len, recompute, zero, global_batch, vpp,
                  efficiency, etp, fused, grad_bytes, optimizer_bytes, fp8, tp_overlap, dp_overlap, cp_method, dedup,
                  node_limit, ep_overlap, comm_sms, ep_imbalance, schedule, pp_layout, recompute_modules, vpp_group,
-                 attention_efficiency, straggler_sigma, dp_latency)
+                 attention_efficiency, straggler_sigma, dp_latency, stack)
     return plan_of(lay)
 
 
@@ -1181,15 +1268,13 @@ def plan_of(lay: Layout) -> Plan:
     bubble, _ = pipeline_cost(lay, slowest.busy + pp_cost.exposed)
     dp, dp_algorithm = dp_cost(lay, slowest.fwd, slowest.bwd)
     compute = mb * slowest.compute
-    time = dict(compute=compute, bubble=bubble, **{f"{k} comm": mb * getattr(slowest, k) for k in ("tp", "cp", "ep")},
-                **{"pp comm": mb * pp_cost.exposed, "dp comm": dp.exposed},
-                stragglers=lay.straggler_sigma * expected_max_normal(lay.gpus) * compute if lay.straggler_sigma
-                else 0.0)
-    time["total"] = sum(time.values())
+    time = StepTime(compute, bubble, mb * slowest.tp, mb * slowest.cp, mb * slowest.ep, mb * pp_cost.exposed,
+                    dp.exposed, lay.straggler_sigma * expected_max_normal(lay.gpus) * compute if lay.straggler_sigma
+                    else 0.0)
     fl = flops_per_token(m, lay.seq_len, lay.recompute, lay.modules)
     tokens = lay.global_batch * lay.seq_len
     flops = dict(model=fl["model"] * tokens, hardware=fl["hardware"] * tokens)
-    denominator = time["total"] * lay.gpus * c.peak
+    denominator = time.total * lay.gpus * c.peak
     layers_here = sum(d + x for d, x, _ in stages) / lay.pp
     comm = dict(tp=mb * layers_here * dense.tp.sent, cp=mb * layers_here * dense.cp.sent,
                 ep=mb * max(sum(x for _, x, _ in stages) / lay.pp, 0) * (moe_costs.ep.sent if moe_costs else 0.0),
@@ -1198,7 +1283,7 @@ def plan_of(lay: Layout) -> Plan:
     return Plan(stage_memory(lay), comm, lay.crosses_nodes, time, flops["model"] / denominator,
                 flops["hardware"] / denominator, lay.gpus, flops,
                 dict(dense=eta[False], moe=eta[True] if m.is_moe else None, head=eta_head), mb, lay.partner,
-                lay.comm_sms, dp_algorithm)
+                lay.comm_sms, dp_algorithm, lay.stack, lay.band)
 
 
 # ---------------------------------------------------------------------------- search
@@ -1241,7 +1326,7 @@ def search(model: Model, cluster: Cluster, seq_len: int = 4096, global_batch: in
                             continue
                         if pl.fits:
                             found.append((kw, pl))
-    found.sort(key=lambda item: item[1].time["total"])
+    found.sort(key=lambda item: item[1].time.total)
     return found
 
 
@@ -1254,7 +1339,7 @@ class Run:
     ``layout`` holds :func:`plan`'s arguments. ``metric`` is ``"MFU"`` or ``"HFU"`` (the paper's
     own count: Narayanan et al. report FLOP/s that count full recomputation). ``role`` is ``"fit"``
     (the kernel curve passes through it) or ``"test"`` (held out). ``assumed`` names what the
-    source does not state and the planner takes.
+    source does not state and the planner takes. ``stack`` is the software it ran on.
     """
 
     name: str
@@ -1266,13 +1351,24 @@ class Run:
     metric: str
     role: str
     assumed: str = ""
+    stack: str = MEGATRON
 
     def plan(self, efficiency=None) -> Plan:
-        return plan(self.model, self.cluster, efficiency=efficiency, **self.layout)
+        return plan(self.model, self.cluster, efficiency=efficiency, stack=self.stack, **self.layout)
 
     def predicted(self, efficiency=None) -> float:
         pl = self.plan(efficiency)
         return pl.mfu if self.metric == "MFU" else pl.hfu
+
+    def predicted_range(self, efficiency=None) -> tuple[float, float]:
+        """(low, high) of the run's metric: one number twice on a stack the curve was fitted on, else
+        :data:`STACK_BAND` either side of it (:func:`stack_band`)."""
+        pl = self.plan(efficiency)
+        return pl.mfu_range if self.metric == "MFU" else pl.hfu_range
+
+    def on_fitted_stack(self) -> bool:
+        """Whether the kernel curve of the run's GPUs was fitted on runs of the run's stack."""
+        return stack_band(self.cluster, self.stack) == 1.0
 
     def residual(self, efficiency=None) -> float:
         """Predicted over published, minus one."""
@@ -1374,14 +1470,14 @@ def _llama_and_deepseek() -> list[Run]:
                                              (16384, 16, 8, 131072, 380, "test")):
         runs.append(Run(f"Llama 3 405B, {gpus:,} GPUs, {seq // 1024}K", "llama3 (Table 4)", llama,
                         _cluster(_H100, gpus), dict(common, cp=cp, dp=dp, seq_len=seq, global_batch=2 ** 24 // seq),
-                        tflops * 1e12 / H100_BF16_PEAK, "MFU", role, note))
+                        tflops * 1e12 / H100_BF16_PEAK, "MFU", role, note, LLAMA3_STACK))
     runs.append(Run("DeepSeek-V3, 2,048 H800", "deepseekv3 (§1, §3)", MODELS["DeepSeek-V3"], CLUSTERS[_H800],
                     dict(tp=1, pp=16, ep=64, dp=128, seq_len=4096, global_batch=15360, schedule="dualpipe", fp8=True,
                          dedup=True, node_limit=4, ep_overlap=True, comm_sms=20, zero=1, optimizer_bytes=8,
                          recompute_modules=("layernorm", "mla_up_proj", "moe_act"), pp_layout="ends"),
                     deepseek_v3_mfu(), "MFU", "test",
                     "MFU derived from GPU-hours; micro-batch 1; stages balanced with the embedding and head in a "
-                    "layer's place; the MTP module not modelled"))
+                    "layer's place; the MTP module not modelled", HAI_LLM))
     return runs
 
 
@@ -1435,7 +1531,8 @@ def calibrate(generation: str, record=RECORD) -> KernelCurve:
             else:
                 hi = mid
         n_half = (lo + hi) / 2
-    return KernelCurve(round(eta_for(n_half), 4), round(n_half, 1), (big.name, small.name))
+    stacks = tuple(dict.fromkeys((big.stack, small.stack)))
+    return KernelCurve(round(eta_for(n_half), 4), round(n_half, 1), (big.name, small.name), stacks)
 
 
 def bracket(run: Run) -> tuple[tuple[float, dict], tuple[float, dict]]:

@@ -119,7 +119,7 @@ def test_expert_parallelism_folds_into_each_stage():
     c = dataclasses.replace(H100, gpus=64)
     a = P.plan(mix, c, tp=8, sp=True, ep=8, dp=8, seq_len=4096, global_batch=64, efficiency=0.5)
     b = P.plan(mix, c, tp=8, sp=True, ep=2, dp=8, seq_len=4096, global_batch=64, efficiency=0.5)
-    assert a.time["compute"] == pytest.approx(b.time["compute"])
+    assert a.time.compute == pytest.approx(b.time.compute)
     assert a.memory_bytes["weights"] < b.memory_bytes["weights"]                 # more ways to split the experts
 
 
@@ -168,7 +168,7 @@ def test_mfu_and_hfu_divide_the_same_step_time():
     pl = P.plan(GPT3, c, tp=8, sp=False, pp=8, seq_len=2048, recompute="full", global_batch=64, fused=False)
     ratio = P.flops_per_token(GPT3, 2048, "full")["hardware"] / P.flops_per_token(GPT3, 2048)["model"]
     assert pl.hfu / pl.mfu == pytest.approx(ratio)
-    assert pl.mfu == pytest.approx(pl.flops["model"] / (pl.time["total"] * 64 * c.peak))
+    assert pl.mfu == pytest.approx(pl.flops["model"] / (pl.time.total * 64 * c.peak))
 
 
 # ---------------------------------------------------------------------------- memory
@@ -252,16 +252,16 @@ def test_interleaved_bubble_is_p_minus_1_over_v_m():
     for vpp, mb in ((1, 8), (2, 8), (4, 16)):
         pl = _tiny(pp=4, dp=4, vpp=vpp, global_batch=4 * mb, dp_overlap=False)
         t = pl.time
-        per_mb = (t["total"] - t["bubble"] - t["dp comm"]) / mb
-        assert t["bubble"] == pytest.approx((4 - 1) / vpp * per_mb)
-        assert t["bubble"] / (t["total"] - t["bubble"] - t["dp comm"]) == pytest.approx(3 / (vpp * mb))
+        per_mb = (t.total - t.bubble - t.dp_comm) / mb
+        assert t.bubble == pytest.approx((4 - 1) / vpp * per_mb)
+        assert t.bubble / (t.total - t.bubble - t.dp_comm) == pytest.approx(3 / (vpp * mb))
 
 
 def test_dualpipe_bubble_is_deepseeks_table_2():
     """(pp/2 − 1)(F&B + B − 3W) with F&B = F + B, B = 2F, W = F: (pp/2 − 1)·2F = (pp/2 − 1)·(2/3)·(F + B)."""
     pl = _tiny(pp=4, dp=4, schedule="dualpipe", global_batch=32, dp_overlap=False)
-    per_mb = (pl.time["total"] - pl.time["bubble"] - pl.time["dp comm"]) / 8
-    assert pl.time["bubble"] == pytest.approx((4 / 2 - 1) * 2 / 3 * per_mb)
+    per_mb = (pl.time.total - pl.time.bubble - pl.time.dp_comm) / 8
+    assert pl.time.bubble == pytest.approx((4 / 2 - 1) * 2 / 3 * per_mb)
 
 
 def test_uneven_stages_put_the_head_on_the_last():
@@ -286,22 +286,22 @@ def test_tensor_parallel_overlap_rules():
     regather = per_pair / 2                                                          # 2 all-gathers of s·b·h
     h, s = 1024, 1024                                                                # one layer's forward:
     fwd = (2 * s * 12 * h * h / 8 + 2 * s * s * 8 * 256 / 8 / 2) / (H100.peak * 0.5)    # products, causal half
-    assert none.time["tp comm"] == pytest.approx(16 * (2 * per_pair + regather))
-    assert back.time["tp comm"] == pytest.approx(16 * (per_pair + max(0, per_pair - fwd) + max(0, regather - fwd)))
+    assert none.time.tp_comm == pytest.approx(16 * (2 * per_pair + regather))
+    assert back.time.tp_comm == pytest.approx(16 * (per_pair + max(0, per_pair - fwd) + max(0, regather - fwd)))
     half = per_pair / 4                                       # one reduce-scatter or all-gather of s·b·h
     products = [p / 8 * 2 * s / (H100.peak * 0.5) for p in (3 * h * h, h * h, 4 * h * h, 4 * h * h)]
     forward = sum(max(0, half - t) for t in products)
     backward = sum((2, 1, 2, 1)[k] * max(0, half - t) for k, t in enumerate(products))   # column, row, column, row
-    assert every.time["tp comm"] == pytest.approx(16 * (forward + backward))
-    assert every.time["tp comm"] > 0                          # the output projection is too small to hide it
+    assert every.time.tp_comm == pytest.approx(16 * (forward + backward))
+    assert every.time.tp_comm > 0                          # the output projection is too small to hide it
     whole_layer = 16 * (max(0, per_pair - fwd) + max(0, per_pair - 2 * fwd))          # the old, generous rule
-    assert every.time["tp comm"] > whole_layer
-    assert none.time["tp comm"] > back.time["tp comm"] > every.time["tp comm"]
+    assert every.time.tp_comm > whole_layer
+    assert none.time.tp_comm > back.time.tp_comm > every.time.tp_comm
     assert none.comm_bytes["tp"] == pytest.approx(16 * 1.25 * 2 * per_pair * H100.intra)   # SP: 1.25× TP's bytes
     plain = _tiny(tp_overlap="none", **dict(kw, sp=False))
     assert plain.comm_bytes["tp"] == pytest.approx(16 * 2 * per_pair * H100.intra)
     full = _tiny(tp_overlap="none", recompute="full", **kw)
-    assert full.time["tp comm"] == pytest.approx(16 * (3 * per_pair + regather))   # the recomputed forward again
+    assert full.time.tp_comm == pytest.approx(16 * (3 * per_pair + regather))   # the recomputed forward again
     with pytest.raises(ValueError, match="needs sequence parallelism"):
         _tiny(tp_overlap="all", **dict(kw, sp=False))
 
@@ -329,13 +329,13 @@ def test_data_parallel_overlap_is_the_last_micro_batch_only():
     off, on = _tiny(dp_overlap=False, **kw), _tiny(dp_overlap=True, **kw)
     t_rs, t_ag, buckets, _ = _tiny_dp_times()
     assert buckets == 6
-    assert off.time["dp comm"] == pytest.approx(sum(_tiny_dp_times(overlapped=False)[:2]))
-    per_mb = off.time["compute"] / 4
-    assert on.time["dp comm"] == pytest.approx(max(t_rs / buckets, t_rs - per_mb * 2 / 3)
+    assert off.time.dp_comm == pytest.approx(sum(_tiny_dp_times(overlapped=False)[:2]))
+    per_mb = off.time.compute / 4
+    assert on.time.dp_comm == pytest.approx(max(t_rs / buckets, t_rs - per_mb * 2 / 3)
                                                + max(t_ag / buckets, t_ag - per_mb / 3), rel=1e-6)
     # With far more compute than communication, one bucket each is all that shows.
     slow = _tiny(dp_overlap=True, efficiency=0.01, **kw)
-    assert slow.time["dp comm"] == pytest.approx(t_rs / buckets + t_ag / buckets, rel=1e-6)
+    assert slow.time.dp_comm == pytest.approx(t_rs / buckets + t_ag / buckets, rel=1e-6)
     assert P.ring_bandwidth(H100, 1, 16) == 8 * H100.inter and P.ring_bandwidth(H100, 8, 16) == H100.inter
     assert P.ring_bandwidth(H100, 1, 8) == H100.intra
 
@@ -346,14 +346,14 @@ def test_the_ring_hides_when_a_step_covers_its_transfer():
     m = P.Model("tiny", layers=4, hidden=1024, heads=8, kv_heads=8, ffn=4096, vocab=1024)
     c = dataclasses.replace(H100, gpus=8)
     long = P.plan(m, c, cp=8, seq_len=131072, efficiency=0.5, global_batch=8)
-    assert long.comm_bytes["cp"] > 0 and long.time["cp comm"] == 0
+    assert long.comm_bytes["cp"] > 0 and long.time.cp_comm == 0
     ib = dataclasses.replace(H100, gpus=16, gpus_per_node=1)
     short = P.plan(m, ib, cp=16, seq_len=4096, efficiency=0.5, global_batch=16)
-    assert short.crosses_nodes["cp"] and short.time["cp comm"] > 0
+    assert short.crosses_nodes["cp"] and short.time.cp_comm > 0
     gather = P.plan(m, c, cp=8, seq_len=131072, efficiency=0.5, global_batch=8, cp_method="allgather")
     block = 131072 // 8 * 8 * 128 * 2                                               # this rank's K (or V)
     assert gather.comm_bytes["cp"] == pytest.approx(8 * 4 * 7 * block * 4)    # 4 layers, 8 micro-batches
-    assert gather.time["cp comm"] == pytest.approx(8 * 4 * 7 * block * 4 / c.intra)
+    assert gather.time.cp_comm == pytest.approx(8 * 4 * 7 * block * 4 / c.intra)
 
 
 def test_expert_traffic_is_deduplicated_per_node():
@@ -370,7 +370,7 @@ def test_expert_traffic_is_deduplicated_per_node():
     per_token = 8 * 56 / 64 + 8 * 7 / 64                          # assignments leaving the GPU: IB + NVLink
     assert plain.comm_bytes["ep"] / dedup.comm_bytes["ep"] == pytest.approx(per_token / (4 * 7 / 8 + 8 * 7 / 8))
     paired = P.plan(ds, h800, dedup=True, node_limit=4, ep_overlap=True, schedule="dualpipe", **kw)
-    assert plain.time["ep comm"] > dedup.time["ep comm"] > paired.time["ep comm"] > 0
+    assert plain.time.ep_comm > dedup.time.ep_comm > paired.time.ep_comm > 0
 
 
 def test_an_overlapped_all_to_all_needs_work_to_hide_behind_and_takes_sms_while_it_runs():
@@ -384,28 +384,28 @@ def test_an_overlapped_all_to_all_needs_work_to_hide_behind_and_takes_sms_while_
     exposed = P.plan(ds, h800, **kw)
     shared = P.plan(ds, h800, ep_overlap=True, **kw)                      # 1F1B without virtual stages
     assert shared.ep_hidden_behind.startswith("the shared experts only") and shared.comm_sms == 20
-    assert 0 < shared.time["ep comm"] < exposed.time["ep comm"]
-    assert shared.time["compute"] == exposed.time["compute"]             # the SMs are not taken from every kernel
+    assert 0 < shared.time.ep_comm < exposed.time.ep_comm
+    assert shared.time.compute == exposed.time.compute             # the SMs are not taken from every kernel
     paired = P.plan(ds, h800, ep_overlap=True, schedule="dualpipe", **kw)
     assert paired.ep_hidden_behind.startswith("DualPipe")
     free = P.plan(ds, h800, ep_overlap=True, schedule="dualpipe", comm_sms=0, **kw)
-    assert 0 < free.time["ep comm"] < paired.time["ep comm"] < shared.time["ep comm"]
+    assert 0 < free.time.ep_comm < paired.time.ep_comm < shared.time.ep_comm
     # Exactly, where every stage has the same MoE layers (Mixtral, 2 stages): 8 micro-batches per replica,
     # 2 unpaired (warm-up, cool-down) pay the whole transfer, 6 pay 20/132 of it (the SMs it holds).
     c = dataclasses.replace(H100, gpus=64)
     mk = dict(tp=1, ep=8, seq_len=4096, zero=1, global_batch=256, pp=2, dp=32, schedule="dualpipe")
-    t = P.plan(mixtral, c, **mk).time["ep comm"]
-    assert P.plan(mixtral, c, ep_overlap=True, **mk).time["ep comm"] == pytest.approx(
+    t = P.plan(mixtral, c, **mk).time.ep_comm
+    assert P.plan(mixtral, c, ep_overlap=True, **mk).time.ep_comm == pytest.approx(
         6 / 8 * 20 / 132 * t + 2 / 8 * t, rel=1e-9)
     c = dataclasses.replace(H100, gpus=64)
     mk = dict(tp=1, ep=8, seq_len=4096, zero=1, global_batch=64)
     alone = P.plan(mixtral, c, pp=2, dp=32, ep_overlap=True, **mk)
     assert alone.ep_hidden_behind.startswith("nothing")
-    assert alone.time["ep comm"] == pytest.approx(P.plan(mixtral, c, pp=2, dp=32, **mk).time["ep comm"])
+    assert alone.time.ep_comm == pytest.approx(P.plan(mixtral, c, pp=2, dp=32, **mk).time.ep_comm)
     combined = P.plan(mixtral, c, pp=1, dp=64, ep_overlap=True, comm_sms=0, **dict(mk, global_batch=128))
     assert combined.ep_hidden_behind.startswith("combined 1F1B")      # 2 micro-batches: the first forward and
     plain = P.plan(mixtral, c, pp=1, dp=64, **dict(mk, global_batch=128))    # the last backward run alone
-    assert combined.time["ep comm"] == pytest.approx(plain.time["ep comm"] / 2)
+    assert combined.time.ep_comm == pytest.approx(plain.time.ep_comm / 2)
     full = P.plan(mixtral, c, pp=1, dp=64, ep_overlap=True, recompute="full", **dict(mk, global_batch=128))
     assert full.ep_hidden_behind.startswith("nothing")               # Megatron-Core refuses it with full recompute
     assert P.plan(ds, h800, ep_overlap=True, recompute="full", **dict(kw, pp=1, dp=2048, global_batch=4096)
@@ -428,8 +428,8 @@ def test_the_busiest_expert_rank_sets_the_pace():
     mixtral, c = P.MODELS["Mixtral 8x7B"], dataclasses.replace(H100, gpus=64)
     mk = dict(tp=1, ep=8, pp=1, dp=64, seq_len=4096, zero=1, global_batch=64)
     even, skewed = P.plan(mixtral, c, **mk), P.plan(mixtral, c, ep_imbalance=1.5, **mk)
-    assert skewed.time["ep comm"] == pytest.approx(1.5 * even.time["ep comm"])
-    assert even.time["compute"] < skewed.time["compute"] < 1.5 * even.time["compute"]   # attention is not routed
+    assert skewed.time.ep_comm == pytest.approx(1.5 * even.time.ep_comm)
+    assert even.time.compute < skewed.time.compute < 1.5 * even.time.compute   # attention is not routed
     assert skewed.comm_bytes == even.comm_bytes and skewed.mfu < even.mfu
     for bad in (0.9, True, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="ep_imbalance is the busiest rank's tokens over the mean"):
@@ -445,7 +445,7 @@ def test_search_charges_expert_parallel_communication_and_searches_etp():
     assert any(pl.ep_hidden_behind for _, pl in moe_layouts) and not all(pl.ep_hidden_behind for _, pl in moe_layouts)
     for kw, pl in moe_layouts:
         assert pl.comm_sms == (P.EP_COMM_SMS if pl.ep_hidden_behind else 0), kw
-        assert pl.time["ep comm"] > 0 or pl.ep_hidden_behind.startswith(("DualPipe", "combined 1F1B")), kw
+        assert pl.time.ep_comm > 0 or pl.ep_hidden_behind.startswith(("DualPipe", "combined 1F1B")), kw
 
 
 def test_sm_share_and_fp8_change_only_what_they_touch():
@@ -453,11 +453,11 @@ def test_sm_share_and_fp8_change_only_what_they_touch():
     h800 = P.CLUSTERS["2048× H800 (DeepSeek-V3's cluster)"]
     kw = dict(tp=1, pp=16, ep=64, dp=128, seq_len=4096, global_batch=15360, zero=1, efficiency=0.5)
     base, sms = P.plan(ds, h800, **kw), P.plan(ds, h800, comm_sms=20, **kw)
-    assert sms.time["compute"] == base.time["compute"]         # SMs are held only while an all-to-all runs
+    assert sms.time.compute == base.time.compute         # SMs are held only while an all-to-all runs
     shared, taxed = (P.plan(ds, h800, ep_overlap=True, comm_sms=n, **kw) for n in (0, 20))
-    assert shared.time["ep comm"] <= taxed.time["ep comm"] < base.time["ep comm"]   # a short shared expert: equal
+    assert shared.time.ep_comm <= taxed.time.ep_comm < base.time.ep_comm   # a short shared expert: equal
     fp8 = P.plan(ds, h800, fp8=True, **kw)
-    assert base.time["compute"] / 2 < fp8.time["compute"] < base.time["compute"]     # attention, head stay bf16
+    assert base.time.compute / 2 < fp8.time.compute < base.time.compute     # attention, head stay bf16
     # with the calibrated curve, FP8 halves only the matrix products, not the n_half/n rest
     curve = P.KERNEL_CURVES["Hopper"]
     n = P.gemm_size(ds, 1, 1, True)
@@ -479,9 +479,9 @@ def test_efficiency_none_means_the_calibrated_curve():
 def test_time_adds_up_and_search_sorts():
     pl = P.plan(P.MODELS["Llama 3 70B"], dataclasses.replace(H100, gpus=64), tp=8, sp=True, pp=2, dp=4,
                 seq_len=8192, global_batch=64)
-    assert math.isclose(pl.time["total"], sum(v for k, v in pl.time.items() if k != "total"))
+    assert math.isclose(pl.time.total, sum(v for _, v in pl.time.parts()))
     found = P.search(P.MODELS["Llama 3 70B"], H100, seq_len=8192, global_batch=256, gpus=64)
-    times = [p.time["total"] for _, p in found]
+    times = [p.time.total for _, p in found]
     assert found and times == sorted(times) and all(p.fits and p.gpus == 64 for _, p in found)
 
 
@@ -567,12 +567,12 @@ def test_buckets_grow_with_the_data_parallel_group_and_the_last_one_shows():
     # The same model on more replicas: the exposed last bucket grows with the ring's latency and size.
     m = P.MODELS["GPT-3 175B"]
     small, large = (P.plan(m, H100, tp=8, pp=8, dp=d, zero=1, global_batch=8 * d, seq_len=2048) for d in (4, 16))
-    assert large.time["dp comm"] > small.time["dp comm"] > 0
+    assert large.time.dp_comm > small.time.dp_comm > 0
     assert large.mfu < small.mfu                       # 4× the replicas, the same work each: MFU falls
     # without NCCL's latency (bandwidth alone), the exposed time would not grow with the group
     flat = [P.plan(m, H100, tp=8, pp=8, dp=d, zero=1, global_batch=8 * d, seq_len=2048, dp_latency=False)
             for d in (4, 16)]
-    assert flat[1].time["dp comm"] - flat[0].time["dp comm"] < large.time["dp comm"] - small.time["dp comm"]
+    assert flat[1].time.dp_comm - flat[0].time.dp_comm < large.time.dp_comm - small.time.dp_comm
     # Megatron-LM buckets only when it overlaps; otherwise one call over the whole buffer
     assert P.bucketed("all_reduce", 1e9, 4, 16, 2, 50e9, overlapped=False)[2] == 1
     assert P.bucketed("all_reduce", 1e9, 4, 16, 2, 50e9)[2] == 25
@@ -583,8 +583,8 @@ def test_stragglers_wait_for_the_slowest_gpu():
     e = [P.expected_max_normal(n) for n in (8, 64, 1024, 16384)]
     assert e == sorted(e) and all(v < math.sqrt(2 * math.log(n)) for v, n in zip(e, (8, 64, 1024, 16384)))
     base, slow = _tiny(dp=16, global_batch=64), _tiny(dp=16, global_batch=64, straggler_sigma=0.02)
-    assert slow.time["stragglers"] == pytest.approx(0.02 * P.expected_max_normal(16) * base.time["compute"])
-    assert base.time["stragglers"] == 0 and slow.mfu < base.mfu
+    assert slow.time.stragglers == pytest.approx(0.02 * P.expected_max_normal(16) * base.time.compute)
+    assert base.time.stragglers == 0 and slow.mfu < base.mfu
     assert _tiny(dp=16, global_batch=64, straggler_sigma=0.0).time == base.time       # zero spread: nothing
     with pytest.raises(ValueError, match="straggler_sigma"):
         _tiny(straggler_sigma=-0.1)
@@ -614,18 +614,18 @@ def test_zero_2_reduce_scatters_every_micro_batch():
     kw = dict(dp=16, global_batch=64, dp_overlap=False)
     z1, z2 = _tiny(zero=1, **kw), _tiny(zero=2, **kw)
     t_rs, t_ag, _, bw = _tiny_dp_times(overlapped=False)
-    assert z2.time["dp comm"] - z1.time["dp comm"] == pytest.approx(3 * t_rs)           # 4 micro-batches
+    assert z2.time.dp_comm - z1.time.dp_comm == pytest.approx(3 * t_rs)           # 4 micro-batches
     assert z2.comm_bytes["dp"] - z1.comm_bytes["dp"] == pytest.approx(
         3 * P.bus_factor("reduce_scatter", 16) * _TINY_PARAMS * 4)
     assert z2.memory_bytes["gradients"] == pytest.approx(z1.memory_bytes["gradients"] / 16)
     on = _tiny(zero=2, dp=16, global_batch=64, dp_overlap=True)
     t_rs, t_ag, buckets, _ = _tiny_dp_times()
-    per_mb = on.time["compute"] / 4
-    assert on.time["dp comm"] == pytest.approx(3 * max(0, t_rs - per_mb) + max(t_rs / buckets, t_rs - per_mb * 2 / 3)
+    per_mb = on.time.compute / 4
+    assert on.time.dp_comm == pytest.approx(3 * max(0, t_rs - per_mb) + max(t_rs / buckets, t_rs - per_mb * 2 / 3)
                                                + max(t_ag / buckets, t_ag - per_mb / 3), rel=1e-6)
     z3 = _tiny(zero=3, **kw)
     t_rs, t_ag, _, _ = _tiny_dp_times(overlapped=False)
-    assert z3.time["dp comm"] == pytest.approx(4 * t_rs + 8 * t_ag)                      # gathers: fwd, bwd
+    assert z3.time.dp_comm == pytest.approx(4 * t_rs + 8 * t_ag)                      # gathers: fwd, bwd
 
 
 def test_brackets_hold_the_readme_runs():
@@ -649,7 +649,7 @@ def test_the_chapter_explorer_grid_answers_or_explains():
         try:
             pl = P.plan(P.MODELS[name], c, tp=tp, sp=tp > 1, cp=cp, ep=ep, pp=pp, dp=dp, seq_len=8192,
                         recompute=rc, zero=1, global_batch=max(64, dp * pp), ep_overlap="auto")
-            assert pl.memory_bytes["total"] > 0 and pl.time["total"] > 0 and 0 < pl.mfu < 1
+            assert pl.memory_bytes["total"] > 0 and pl.time.total > 0 and 0 < pl.mfu < 1
             answered += 1
         except ValueError as err:
             assert str(err)
@@ -692,10 +692,10 @@ def test_the_plan_is_the_sum_of_its_pieces():
     one = P.bus_factor("all_reduce", 8) * 1024 * 1024 * 2                 # s·b·h bf16, ring bytes
     assert tp.sent == 5 * one and tp.exposed == pytest.approx(5 * one / H100.intra)   # SP: 2 re-gathers backward
     head, _ = P.head_time(lay)
-    assert lay.micro_batches == 2 and pl.time["compute"] == pytest.approx(2 * (16 * L.total + head))
-    assert pl.time["tp comm"] == pytest.approx(2 * 16 * tp.exposed)
+    assert lay.micro_batches == 2 and pl.time.compute == pytest.approx(2 * (16 * L.total + head))
+    assert pl.time.tp_comm == pytest.approx(2 * 16 * tp.exposed)
     dp, algorithm = P.dp_cost(lay, 16 * L.fwd + head / 3, 16 * L.bwd + 2 * head / 3)
-    assert pl.time["dp comm"] == pytest.approx(dp.exposed) and algorithm == "ring"
+    assert pl.time.dp_comm == pytest.approx(dp.exposed) and algorithm == "ring"
     assert P.cp_cost(lay, L) == P.Cost(0.0, 0.0) and P.ep_cost(lay, L) == P.Cost(0.0, 0.0)
     assert P.pipeline_cost(lay, 1.0) == (0.0, P.Cost(0.0, 0.0))
     assert pl.memory_bytes == P.stage_memory(lay)
@@ -716,3 +716,61 @@ def test_the_plan_is_the_sum_of_its_pieces():
     piped = P.Layout(m, cluster, tp=8, pp=2, global_batch=8, efficiency=0.5, seq_len=1024)
     bubble, p2p = P.pipeline_cost(piped, 2.0)
     assert bubble == pytest.approx(2.0) and p2p.sent == 2 * 1024 * 1024 * 2
+
+
+def test_step_time_is_typed_and_adds_up_in_order():
+    pl = _tiny(dp=16, global_batch=64, straggler_sigma=0.02)
+    t = pl.time
+    assert isinstance(t, P.StepTime) and t.stragglers > 0
+    assert t.total == sum(v for _, v in t.parts())                 # the same additions, in the same order
+    assert [label for label, _ in t.parts()] == ["compute", "bubble", "tp comm", "cp comm", "ep comm", "pp comm",
+                                                 "dp comm", "stragglers"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.compute = 0.0
+    with pytest.raises(TypeError):                                   # no string keys: the fields are the API
+        t["tp comm"]
+
+
+def _check_stack_band(band):
+    """What a stack band must do, for ``band(cluster, stack, efficiency)``: nothing on the stacks a curve was
+    fitted on, or when no stack is named, or with the caller's own efficiency; MegaScale's 1.34 elsewhere."""
+    ampere, hopper = P.CLUSTERS[P._A100], P.CLUSTERS[P._H100]
+    assert band(ampere, P.MEGATRON) == 1.0 and band(ampere, None) == 1.0
+    assert band(hopper, P.LLAMA3_STACK) == 1.0 and band(hopper, P.MEGATRON) == 1.0
+    assert band(ampere, P.LLAMA3_STACK) == 1.34 and band(hopper, P.HAI_LLM) == 1.34     # not fitted on there
+    assert band(hopper, P.HAI_LLM, 0.5) == 1.0                                          # the caller's own number
+    assert band(hopper, P.MEGATRON, P.KernelCurve(0.5, 1000.0)) == 1.34                 # a curve of no stack
+
+
+def test_a_run_on_another_stack_is_predicted_as_a_range():
+    _check_stack_band(P.stack_band)
+    assert P.STACK_BAND == 1.34 and "1.34" in P.STACK_BAND_SOURCE and "55.2%" in P.STACK_BAND_SOURCE
+    other = [r for r in P.RECORD if r.role == "test" and not r.on_fitted_stack()]
+    assert [r.name for r in other] == ["DeepSeek-V3, 2,048 H800"] and other[0].stack == P.HAI_LLM
+    ds = other[0]
+    low, high = ds.predicted_range()
+    assert low == pytest.approx(ds.predicted() / 1.34) and high == pytest.approx(ds.predicted() * 1.34)
+    assert low <= ds.published <= high
+    pl = ds.plan()
+    assert pl.stack == P.HAI_LLM and pl.band == 1.34
+    assert pl.time_range == (pl.time.total / 1.34, pl.time.total * 1.34)
+    # the band leaves the prediction itself alone
+    same = P.plan(ds.model, ds.cluster, **ds.layout)
+    assert same.band == 1.0 and same.mfu == pl.mfu and same.time == pl.time and same.mfu_range == (pl.mfu, pl.mfu)
+    for r in P.RECORD:                       # every other run is on a stack its curve was fitted on: a point
+        if r is not ds:
+            assert r.on_fitted_stack() and r.predicted_range() == (r.predicted(), r.predicted()), r.name
+    with pytest.raises(ValueError, match="stack must name a software stack"):
+        _tiny(stack="")
+
+
+def test_the_stack_band_check_rejects_wrong_bands():
+    """The check above fails on plausible wrong answers: a band everywhere, the factor inverted, a band read
+    off the two MFUs' difference rather than their ratio."""
+    everywhere = lambda c, stack, eff=None: 1.0 if stack is None else P.STACK_BAND                  # noqa: E731
+    inverted = lambda c, stack, eff=None: 1 / P.stack_band(c, stack, eff)                           # noqa: E731
+    difference = lambda c, stack, eff=None: (1 + (0.552 - 0.552 / 1.34)                            # noqa: E731
+                                             if P.stack_band(c, stack, eff) > 1 else 1.0)
+    for wrong in (everywhere, inverted, difference):
+        with pytest.raises(AssertionError):
+            _check_stack_band(wrong)

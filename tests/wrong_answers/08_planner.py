@@ -47,7 +47,7 @@ def best_layout(model, cluster, candidates, seq_len, global_batch):
     return best
 '''
 BEST_RIGHT = dict(args='sp=cand.get("tp", 1) > 1, seq_len=seq_len, zero=1, global_batch=global_batch, **cand',
-                  errors="ValueError", ok="pl.fits", score='pl.time["total"]', better="<", keep="cand")
+                  errors="ValueError", ok="pl.fits", score="pl.time.total", better="<", keep="cand")
 
 
 def best(**wrong):
@@ -259,7 +259,7 @@ def best_layout(model, cluster, candidates, seq_len, global_batch):
         except ValueError:
             continue
         if pl.fits:
-            timed.append((pl.time["total"], len(timed), cand))
+            timed.append((pl.time.total, len(timed), cand))
     return min(timed)[2] if timed else None
 ''')],
     "flops_per_byte": [("bytes written as 16 h", '''
