@@ -54,9 +54,11 @@ def run_checks(d: distributed.Dist) -> tuple[list[tuple[str, bool, comm.Record |
     total = sum(xs)
     rows: list[tuple[str, bool, comm.Record | None, float]] = []
 
-    def check(name, got, want, acc):
+    def check(name, got, want, acc, sent_want=None):
+        """The values on this rank; where the bytes are counted send by send, the count as well."""
         rec = acc.records[-1] if acc.records else None
-        rows.append((name, bool(torch.equal(got, want)), rec, acc.sent()))
+        counted_right = sent_want is None or acc.sent() == sent_want
+        rows.append((name, bool(torch.equal(got, want)) and counted_right, rec, acc.sent()))
 
     with comm.accounting() as acc:
         got = comm.all_reduce(x)
@@ -73,11 +75,12 @@ def run_checks(d: distributed.Dist) -> tuple[list[tuple[str, bool, comm.Record |
     with comm.accounting() as acc:
         got = comm.all_to_all(x[: sum(counts[r])], in_splits=counts[r])
     acc.records[:] = [rec for rec in acc.records if rec.label != "counts"]
-    check("all_to_all", got, torch.cat([sends[j][r] for j in range(n)]), acc)
+    to_others = sum(c for j, c in enumerate(counts[r]) if j != r) * COLS * x.element_size()   # its own rows stay
+    check("all_to_all", got, torch.cat([sends[j][r] for j in range(n)]), acc, sent_want=to_others)
 
     with comm.accounting() as acc:
         got = ring_all_reduce(x)
-    check("ring all-reduce (send/recv)", got, total, acc)
+    check("ring all-reduce (send/recv)", got, total, acc, sent_want=2 * (n - 1) / n * x.nbytes)   # 2(n−1)/n·S
 
     # Backward of an all-gather whose output each rank uses differently: rank j's loss
     # weighs the gathered tensor by its own w_j, so d(sum_j loss_j)/dx_r is the r-th chunk
