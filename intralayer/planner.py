@@ -5,7 +5,9 @@ training system needs it, and held against published training runs (:data:`RECOR
 It is built from pieces, each a function of one checked :class:`Layout`: :func:`stage_memory`,
 :func:`layer_time`, :func:`tp_cost`, :func:`cp_cost`, :func:`ep_cost`, :func:`pipeline_cost` and
 :func:`dp_cost` (with :func:`tp_products`, :func:`layer_costs` and :func:`stage_time` between them);
-:func:`plan` makes the Layout and :func:`plan_of` adds the pieces up, into a :class:`StepTime`.
+:func:`plan` makes the Layout and :func:`plan_of` adds the pieces up into a :class:`Plan` of typed,
+frozen results: :class:`Memory`, :class:`CommBytes`, :class:`CrossesNodes`, :class:`StepTime`,
+:class:`StepFlops` and :class:`Efficiency`.
 
 - **FLOPs** as Narayanan et al. 2021 count them (eq. 3 and its appendix): per token, 6 per
   multiply-add parameter of the layers' and the output head's matrix products, plus
@@ -631,23 +633,102 @@ class StepTime:
         return tuple((label, getattr(self, f)) for f, label in self.LABELS.items())
 
 
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per GPU of the first pipeline stage, by component (:func:`stage_memory`), and the GPU's
+    ``capacity``; :attr:`total` adds the components up."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    capacity: float
+
+    #: The components :attr:`total` adds, with the labels the chapter prints.
+    LABELS = {"weights": "weights", "gradients": "gradients", "optimizer": "optimizer", "activations": "activations"}
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f) for f in self.LABELS)
+
+    def parts(self) -> tuple[tuple[str, float], ...]:
+        """(label, bytes) for every component, in the order :attr:`total` adds them."""
+        return tuple((label, getattr(self, f)) for f, label in self.LABELS.items())
+
+
+@dataclass(frozen=True)
+class CommBytes:
+    """Bytes one GPU sends per step, by strategy; :attr:`total` adds them up."""
+
+    tp: float
+    cp: float
+    ep: float
+    pp: float
+    dp: float
+
+    LABELS = {"tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "dp": "dp"}
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f) for f in self.LABELS)
+
+    def parts(self) -> tuple[tuple[str, float], ...]:
+        """(strategy, bytes), in the order :attr:`total` adds them."""
+        return tuple((label, getattr(self, f)) for f, label in self.LABELS.items())
+
+
+@dataclass(frozen=True)
+class CrossesNodes:
+    """For each strategy's group, whether it leaves the fast domain (:attr:`Layout.crosses_nodes`)."""
+
+    tp: bool
+    cp: bool
+    ep: bool
+    pp: bool
+    dp: bool
+
+    def parts(self) -> tuple[tuple[str, bool], ...]:
+        return tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """FLOPs of one step (all GPUs together): the model's count (MFU's numerator) and the hardware's, which
+    adds what recomputation repeats (HFU's)."""
+
+    model: float
+    hardware: float
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """The fraction of peak the kernel curve gives the dense layers, the MoE layers (None for a dense
+    model) and the output head."""
+
+    dense: float
+    moe: float | None
+    head: float
+
+
 @dataclass
 class Plan:
-    """Per GPU: memory by component, bytes sent per step by strategy, and the time estimate.
+    """Per GPU: memory by component (:class:`Memory`), bytes sent per step by strategy (:class:`CommBytes`),
+    which groups leave the node (:class:`CrossesNodes`), the time estimate (:class:`StepTime`), the step's
+    FLOPs (:class:`StepFlops`) and the kernel curve's efficiencies (:class:`Efficiency`).
 
     ``stack`` is the software stack asked about (None: the kernel curve's own) and ``band`` the factor either
     side of the prediction that the stack leaves open (:func:`stack_band`; 1 on a fitted stack):
     :attr:`mfu_range`, :attr:`hfu_range` and :attr:`time_range` are the predicted ranges."""
 
-    memory_bytes: dict
-    comm_bytes: dict
-    crosses_nodes: dict
+    memory_bytes: Memory
+    comm_bytes: CommBytes
+    crosses_nodes: CrossesNodes
     time: StepTime
     mfu: float
     hfu: float
     gpus: int
-    flops: dict
-    efficiency: dict
+    flops: StepFlops
+    efficiency: Efficiency
     micro_batches: int
     ep_hidden_behind: str = ""      # what the all-to-alls overlap with ("" when they are not overlapped)
     comm_sms: int = 0               # the SMs charged to communication
@@ -657,7 +738,7 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.memory_bytes["total"] <= self.memory_bytes["capacity"]
+        return self.memory_bytes.total <= self.memory_bytes.capacity
 
     @property
     def mfu_range(self) -> tuple[float, float]:
@@ -856,18 +937,18 @@ class Layout:
         return 2 if self.schedule == "dualpipe" else 1
 
     @property
-    def crosses_nodes(self) -> dict:
+    def crosses_nodes(self) -> CrossesNodes:
         """Which groups leave the fast domain (Megatron's order: tp, cp, [ep inside tp·cp·dp], dp, pp)."""
         g, tp, cp, dp = self.cluster.gpus_per_node, self.tp, self.cp, self.dp
-        return dict(tp=tp > g, cp=cp > 1 and tp * cp > g, ep=self.ep > 1 and self.etp * self.ep > g,
-                    dp=dp * cp > 1 and tp * cp * dp > g, pp=self.pp > 1 and tp * cp * dp * self.pp > g)
+        return CrossesNodes(tp=tp > g, cp=cp > 1 and tp * cp > g, ep=self.ep > 1 and self.etp * self.ep > g,
+                            dp=dp * cp > 1 and tp * cp * dp > g, pp=self.pp > 1 and tp * cp * dp * self.pp > g)
 
     def bandwidth(self, group: str) -> float:
         """Bytes/s per GPU for ``group``'s traffic: NVLink or the network, and for data parallelism a ring over
         nodes whose NICs serve the node's members together (:func:`ring_bandwidth`)."""
         if group == "dp":
             return ring_bandwidth(self.cluster, self.tp, self.dp * self.cp)
-        return self.cluster.inter if self.crosses_nodes[group] else self.cluster.intra
+        return self.cluster.inter if getattr(self.crosses_nodes, group) else self.cluster.intra
 
 
 @dataclass(frozen=True)
@@ -907,7 +988,7 @@ def stage_params(lay: Layout) -> tuple[float, float]:
     return dense, first_moe * lp.get("experts", 0) / (lay.etp * lay.ep)
 
 
-def stage_memory(lay: Layout) -> dict:
+def stage_memory(lay: Layout) -> Memory:
     """Bytes per GPU of the first stage (the embedding, the most activations in flight) by component:
     Megatron-LM's model states, Korthikanti et al.'s activations times the micro-batches in flight."""
     m, pp, vpp, mb, N = lay.model, lay.pp, lay.vpp, lay.micro_batches, lay.tokens
@@ -916,7 +997,6 @@ def stage_memory(lay: Layout) -> dict:
                                     lay.optimizer_bytes)
     expert_state = model_state_bytes(lay.copies * expert_params, lay.edp, lay.zero, lay.grad_bytes,
                                      lay.optimizer_bytes)
-    memory = {k: dense_state[k] + expert_state[k] for k in dense_state}
     s_loc = lay.seq_len // lay.cp
     per = [layer_activation_bytes(m, s_loc, lay.micro_batch, lay.tp, lay.sp, lay.recompute, moe_layer, lay.fused,
                                   lay.fp8, lay.modules) if (m.is_moe or not moe_layer) else 0.0
@@ -933,10 +1013,8 @@ def stage_memory(lay: Layout) -> dict:
     activations = stage_acts * in_flight
     if pp == 1:                                                                           # logits (fp32) and their input
         activations += 4 * N * (m.hidden + m.vocab) / lay.tp
-    memory["activations"] = activations
-    memory["total"] = sum(memory.values())
-    memory["capacity"] = lay.cluster.memory
-    return memory
+    return Memory(**{k: dense_state[k] + expert_state[k] for k in dense_state}, activations=activations,
+                  capacity=lay.cluster.memory)
 
 
 def gemm_seconds(lay: Layout, flops: float, n: float) -> float:
@@ -1273,16 +1351,16 @@ def plan_of(lay: Layout) -> Plan:
                     else 0.0)
     fl = flops_per_token(m, lay.seq_len, lay.recompute, lay.modules)
     tokens = lay.global_batch * lay.seq_len
-    flops = dict(model=fl["model"] * tokens, hardware=fl["hardware"] * tokens)
+    flops = StepFlops(model=fl["model"] * tokens, hardware=fl["hardware"] * tokens)
     denominator = time.total * lay.gpus * c.peak
     layers_here = sum(d + x for d, x, _ in stages) / lay.pp
-    comm = dict(tp=mb * layers_here * dense.tp.sent, cp=mb * layers_here * dense.cp.sent,
-                ep=mb * max(sum(x for _, x, _ in stages) / lay.pp, 0) * (moe_costs.ep.sent if moe_costs else 0.0),
-                pp=mb * pp_cost.sent, dp=dp.sent)
+    comm = CommBytes(tp=mb * layers_here * dense.tp.sent, cp=mb * layers_here * dense.cp.sent,
+                     ep=mb * max(sum(x for _, x, _ in stages) / lay.pp, 0) * (moe_costs.ep.sent if moe_costs else 0.0),
+                     pp=mb * pp_cost.sent, dp=dp.sent)
     eta = {k: kernel_efficiency(c, layer_size(lay, k), lay.efficiency) for k in (False, True)}
-    return Plan(stage_memory(lay), comm, lay.crosses_nodes, time, flops["model"] / denominator,
-                flops["hardware"] / denominator, lay.gpus, flops,
-                dict(dense=eta[False], moe=eta[True] if m.is_moe else None, head=eta_head), mb, lay.partner,
+    return Plan(stage_memory(lay), comm, lay.crosses_nodes, time, flops.model / denominator,
+                flops.hardware / denominator, lay.gpus, flops,
+                Efficiency(dense=eta[False], moe=eta[True] if m.is_moe else None, head=eta_head), mb, lay.partner,
                 lay.comm_sms, dp_algorithm, lay.stack, lay.band)
 
 

@@ -120,7 +120,7 @@ def test_expert_parallelism_folds_into_each_stage():
     a = P.plan(mix, c, tp=8, sp=True, ep=8, dp=8, seq_len=4096, global_batch=64, efficiency=0.5)
     b = P.plan(mix, c, tp=8, sp=True, ep=2, dp=8, seq_len=4096, global_batch=64, efficiency=0.5)
     assert a.time.compute == pytest.approx(b.time.compute)
-    assert a.memory_bytes["weights"] < b.memory_bytes["weights"]                 # more ways to split the experts
+    assert a.memory_bytes.weights < b.memory_bytes.weights                 # more ways to split the experts
 
 
 # ---------------------------------------------------------------------------- FLOPs
@@ -168,7 +168,7 @@ def test_mfu_and_hfu_divide_the_same_step_time():
     pl = P.plan(GPT3, c, tp=8, sp=False, pp=8, seq_len=2048, recompute="full", global_batch=64, fused=False)
     ratio = P.flops_per_token(GPT3, 2048, "full")["hardware"] / P.flops_per_token(GPT3, 2048)["model"]
     assert pl.hfu / pl.mfu == pytest.approx(ratio)
-    assert pl.mfu == pytest.approx(pl.flops["model"] / (pl.time.total * 64 * c.peak))
+    assert pl.mfu == pytest.approx(pl.flops.model / (pl.time.total * 64 * c.peak))
 
 
 # ---------------------------------------------------------------------------- memory
@@ -191,27 +191,27 @@ def test_memory_counts_the_most_loaded_stage_as_megatron_does():
     lp = P.layer_params(GPT3)
     stage = 12 * (lp["attention"] + lp["mlp"]) / 8 + 12 * lp["norms"] + 51200 * 12288 / 8
     base = P.plan(GPT3, c, zero=0, **kw)
-    assert base.memory_bytes["weights"] + base.memory_bytes["gradients"] + base.memory_bytes["optimizer"] == \
+    assert base.memory_bytes.weights + base.memory_bytes.gradients + base.memory_bytes.optimizer == \
         pytest.approx(18 * stage)
     z1 = P.plan(GPT3, c, zero=1, **kw)
-    assert z1.memory_bytes["optimizer"] == pytest.approx(12 * stage / 16)
+    assert z1.memory_bytes.optimizer == pytest.approx(12 * stage / 16)
     per_layer = sum(memory.activation_terms(2048, 1, 12288, 96, t=8, sp=True, fused=True).values())
-    assert base.memory_bytes["activations"] == pytest.approx(96 * per_layer)
+    assert base.memory_bytes.activations == pytest.approx(96 * per_layer)
     # pp = 1: both tables, and the logits (fp32) with their input
     one = P.plan(GPT3, dataclasses.replace(c, gpus=8), tp=8, sp=True, seq_len=2048, global_batch=1, recompute="full")
     lp_all = 96 * ((lp["attention"] + lp["mlp"]) / 8 + lp["norms"]) + 2 * 51200 * 12288 / 8
-    assert one.memory_bytes["weights"] == pytest.approx(2 * lp_all)
-    assert one.memory_bytes["activations"] == pytest.approx(96 * 2048 * 12288 * 2 / 8 + 4 * 2048 * (12288 + 51200) / 8)
+    assert one.memory_bytes.weights == pytest.approx(2 * lp_all)
+    assert one.memory_bytes.activations == pytest.approx(96 * 2048 * 12288 * 2 / 8 + 4 * 2048 * (12288 + 51200) / 8)
 
 
 def test_interleaving_holds_megatrons_warm_up_on_the_first_stage():
     """vpp chunks: 2(p−1) + (v−1)·N + 1 chunks in flight (N = p by default), i.e. L·(1 + (p−1)/(p·v))."""
     c = dataclasses.replace(H100, gpus=64)
     kw = dict(tp=8, sp=True, pp=8, seq_len=2048, global_batch=64)
-    plain = P.plan(GPT3, c, **kw).memory_bytes["activations"]
-    inter = P.plan(GPT3, c, vpp=3, **kw).memory_bytes["activations"]
+    plain = P.plan(GPT3, c, **kw).memory_bytes.activations
+    inter = P.plan(GPT3, c, vpp=3, **kw).memory_bytes.activations
     assert inter / plain == pytest.approx(1 + 7 / (8 * 3))
-    grouped = P.plan(GPT3, c, vpp=3, vpp_group=4, **kw).memory_bytes["activations"]
+    grouped = P.plan(GPT3, c, vpp=3, vpp_group=4, **kw).memory_bytes.activations
     assert grouped / plain == pytest.approx((2 * 7 + 2 * 4 + 1) / 3 / 8)
 
 
@@ -297,9 +297,9 @@ def test_tensor_parallel_overlap_rules():
     whole_layer = 16 * (max(0, per_pair - fwd) + max(0, per_pair - 2 * fwd))          # the old, generous rule
     assert every.time.tp_comm > whole_layer
     assert none.time.tp_comm > back.time.tp_comm > every.time.tp_comm
-    assert none.comm_bytes["tp"] == pytest.approx(16 * 1.25 * 2 * per_pair * H100.intra)   # SP: 1.25× TP's bytes
+    assert none.comm_bytes.tp == pytest.approx(16 * 1.25 * 2 * per_pair * H100.intra)   # SP: 1.25× TP's bytes
     plain = _tiny(tp_overlap="none", **dict(kw, sp=False))
-    assert plain.comm_bytes["tp"] == pytest.approx(16 * 2 * per_pair * H100.intra)
+    assert plain.comm_bytes.tp == pytest.approx(16 * 2 * per_pair * H100.intra)
     full = _tiny(tp_overlap="none", recompute="full", **kw)
     assert full.time.tp_comm == pytest.approx(16 * (3 * per_pair + regather))   # the recomputed forward again
     with pytest.raises(ValueError, match="needs sequence parallelism"):
@@ -346,13 +346,13 @@ def test_the_ring_hides_when_a_step_covers_its_transfer():
     m = P.Model("tiny", layers=4, hidden=1024, heads=8, kv_heads=8, ffn=4096, vocab=1024)
     c = dataclasses.replace(H100, gpus=8)
     long = P.plan(m, c, cp=8, seq_len=131072, efficiency=0.5, global_batch=8)
-    assert long.comm_bytes["cp"] > 0 and long.time.cp_comm == 0
+    assert long.comm_bytes.cp > 0 and long.time.cp_comm == 0
     ib = dataclasses.replace(H100, gpus=16, gpus_per_node=1)
     short = P.plan(m, ib, cp=16, seq_len=4096, efficiency=0.5, global_batch=16)
-    assert short.crosses_nodes["cp"] and short.time.cp_comm > 0
+    assert short.crosses_nodes.cp and short.time.cp_comm > 0
     gather = P.plan(m, c, cp=8, seq_len=131072, efficiency=0.5, global_batch=8, cp_method="allgather")
     block = 131072 // 8 * 8 * 128 * 2                                               # this rank's K (or V)
-    assert gather.comm_bytes["cp"] == pytest.approx(8 * 4 * 7 * block * 4)    # 4 layers, 8 micro-batches
+    assert gather.comm_bytes.cp == pytest.approx(8 * 4 * 7 * block * 4)    # 4 layers, 8 micro-batches
     assert gather.time.cp_comm == pytest.approx(8 * 4 * 7 * block * 4 / c.intra)
 
 
@@ -368,7 +368,7 @@ def test_expert_traffic_is_deduplicated_per_node():
     kw = dict(tp=1, pp=16, ep=64, dp=128, seq_len=4096, global_batch=15360, zero=1, efficiency=0.5)
     plain, dedup = P.plan(ds, h800, **kw), P.plan(ds, h800, dedup=True, node_limit=4, **kw)
     per_token = 8 * 56 / 64 + 8 * 7 / 64                          # assignments leaving the GPU: IB + NVLink
-    assert plain.comm_bytes["ep"] / dedup.comm_bytes["ep"] == pytest.approx(per_token / (4 * 7 / 8 + 8 * 7 / 8))
+    assert plain.comm_bytes.ep / dedup.comm_bytes.ep == pytest.approx(per_token / (4 * 7 / 8 + 8 * 7 / 8))
     paired = P.plan(ds, h800, dedup=True, node_limit=4, ep_overlap=True, schedule="dualpipe", **kw)
     assert plain.time.ep_comm > dedup.time.ep_comm > paired.time.ep_comm > 0
 
@@ -469,8 +469,8 @@ def test_efficiency_none_means_the_calibrated_curve():
     m = P.MODELS["Llama 3 70B"]
     kw = dict(tp=8, sp=True, pp=8, seq_len=8192, global_batch=64)
     eta = P.KERNEL_CURVES["Hopper"](P.gemm_size(m, 8))
-    assert P.plan(m, c, **kw).efficiency["dense"] == pytest.approx(eta)
-    assert P.plan(m, c, efficiency=0.3, **kw).efficiency["dense"] == 0.3
+    assert P.plan(m, c, **kw).efficiency.dense == pytest.approx(eta)
+    assert P.plan(m, c, efficiency=0.3, **kw).efficiency.dense == 0.3
     with pytest.raises(ValueError, match="no calibrated kernel model for Blackwell"):
         P.plan(m, dataclasses.replace(P.CLUSTERS["GB200 NVL72 (one rack)"], gpus=64), **kw)
     assert P.plan(m, dataclasses.replace(P.CLUSTERS["GB200 NVL72 (one rack)"], gpus=64), efficiency=0.5, **kw).fits
@@ -615,9 +615,9 @@ def test_zero_2_reduce_scatters_every_micro_batch():
     z1, z2 = _tiny(zero=1, **kw), _tiny(zero=2, **kw)
     t_rs, t_ag, _, bw = _tiny_dp_times(overlapped=False)
     assert z2.time.dp_comm - z1.time.dp_comm == pytest.approx(3 * t_rs)           # 4 micro-batches
-    assert z2.comm_bytes["dp"] - z1.comm_bytes["dp"] == pytest.approx(
+    assert z2.comm_bytes.dp - z1.comm_bytes.dp == pytest.approx(
         3 * P.bus_factor("reduce_scatter", 16) * _TINY_PARAMS * 4)
-    assert z2.memory_bytes["gradients"] == pytest.approx(z1.memory_bytes["gradients"] / 16)
+    assert z2.memory_bytes.gradients == pytest.approx(z1.memory_bytes.gradients / 16)
     on = _tiny(zero=2, dp=16, global_batch=64, dp_overlap=True)
     t_rs, t_ag, buckets, _ = _tiny_dp_times()
     per_mb = on.time.compute / 4
@@ -649,7 +649,7 @@ def test_the_chapter_explorer_grid_answers_or_explains():
         try:
             pl = P.plan(P.MODELS[name], c, tp=tp, sp=tp > 1, cp=cp, ep=ep, pp=pp, dp=dp, seq_len=8192,
                         recompute=rc, zero=1, global_batch=max(64, dp * pp), ep_overlap="auto")
-            assert pl.memory_bytes["total"] > 0 and pl.time.total > 0 and 0 < pl.mfu < 1
+            assert pl.memory_bytes.total > 0 and pl.time.total > 0 and 0 < pl.mfu < 1
             answered += 1
         except ValueError as err:
             assert str(err)
@@ -774,3 +774,35 @@ def test_the_stack_band_check_rejects_wrong_bands():
     for wrong in (everywhere, inverted, difference):
         with pytest.raises(AssertionError):
             _check_stack_band(wrong)
+
+
+def test_the_plans_other_results_are_typed_frozen_and_add_up_in_order():
+    """Memory, bytes sent, node crossings, FLOPs and efficiencies are frozen dataclasses with fields, not
+    dicts: each sums its components left to right, and an old-style string key fails."""
+    ds = next(r for r in P.RECORD if r.name.startswith("DeepSeek"))
+    pl = ds.plan()
+    lay = P.Layout(ds.model, ds.cluster, **ds.layout, stack=ds.stack)
+    mem, comm, cross, fl, eta = pl.memory_bytes, pl.comm_bytes, pl.crosses_nodes, pl.flops, pl.efficiency
+    assert (type(mem), type(comm), type(cross), type(fl), type(eta)) == \
+        (P.Memory, P.CommBytes, P.CrossesNodes, P.StepFlops, P.Efficiency)
+    assert mem.total == ((mem.weights + mem.gradients) + mem.optimizer) + mem.activations
+    assert [k for k, _ in mem.parts()] == ["weights", "gradients", "optimizer", "activations"]
+    assert mem.total == sum(v for _, v in mem.parts()) and mem.capacity == ds.cluster.memory == 80e9
+    assert pl.fits == (mem.total <= mem.capacity) and mem == P.stage_memory(lay)
+    assert [k for k, _ in comm.parts()] == ["tp", "cp", "ep", "pp", "dp"]
+    assert comm.ep > 0 and comm.pp > 0 and comm.dp > 0                   # the DeepSeek-V3 layout uses all three
+    assert comm.total == (((comm.tp + comm.cp) + comm.ep) + comm.pp) + comm.dp
+    assert cross == lay.crosses_nodes and cross.ep and not cross.tp       # ep = 64 leaves the node; tp = 1 does not
+    assert lay.bandwidth("ep") == ds.cluster.inter and lay.bandwidth("tp") == ds.cluster.intra
+    tokens = ds.layout["global_batch"] * ds.layout["seq_len"]
+    assert fl.model == P.flops_per_token(ds.model, ds.layout["seq_len"])["model"] * tokens
+    assert pl.mfu == fl.model / (pl.time.total * pl.gpus * ds.cluster.peak)
+    assert eta.moe == P.kernel_efficiency(ds.cluster, P.layer_size(lay, True)) and 0 < eta.dense < 1
+    assert eta.head == P.head_time(lay)[1]
+    assert _tiny().efficiency.moe is None                                 # a dense model has no MoE layers
+    for result, field in ((mem, "weights"), (comm, "tp"), (cross, "tp"), (fl, "model"), (eta, "dense")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(result, field, 0)
+    for result, key in ((mem, "total"), (comm, "tp"), (cross, "dp"), (fl, "model"), (eta, "dense")):
+        with pytest.raises(TypeError):                                    # no string keys: the fields are the API
+            result[key]
