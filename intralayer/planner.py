@@ -605,8 +605,22 @@ def _stage_layers(m: Model, pp: int, layout: str) -> list[tuple[int, int, bool]]
 
 # ---------------------------------------------------------------------------- the plan
 
+class _Summed:
+    """``total`` and ``parts()`` for a result whose components are the class's ``LABELS`` (field → label)."""
+
+    LABELS: dict = {}
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f) for f in self.LABELS)
+
+    def parts(self) -> tuple[tuple[str, float], ...]:
+        """(label, value) for every component, in the order :attr:`total` adds them."""
+        return tuple((label, getattr(self, f)) for f, label in self.LABELS.items())
+
+
 @dataclass(frozen=True)
-class StepTime:
+class StepTime(_Summed):
     """One step's time on the slowest pipeline stage, in seconds, by component: the ``m`` micro-batches'
     compute, the pipeline bubble, each strategy's communication left exposed, and the wait for the slowest
     GPU (``stragglers``); :attr:`total` adds them up."""
@@ -624,17 +638,9 @@ class StepTime:
     LABELS = {"compute": "compute", "bubble": "bubble", "tp_comm": "tp comm", "cp_comm": "cp comm",
               "ep_comm": "ep comm", "pp_comm": "pp comm", "dp_comm": "dp comm", "stragglers": "stragglers"}
 
-    @property
-    def total(self) -> float:
-        return sum(getattr(self, f) for f in self.LABELS)
-
-    def parts(self) -> tuple[tuple[str, float], ...]:
-        """(label, seconds) for every component, in the order :attr:`total` adds them."""
-        return tuple((label, getattr(self, f)) for f, label in self.LABELS.items())
-
 
 @dataclass(frozen=True)
-class Memory:
+class Memory(_Summed):
     """Bytes per GPU of the first pipeline stage, by component (:func:`stage_memory`), and the GPU's
     ``capacity``; :attr:`total` adds the components up."""
 
@@ -647,17 +653,9 @@ class Memory:
     #: The components :attr:`total` adds, with the labels the chapter prints.
     LABELS = {"weights": "weights", "gradients": "gradients", "optimizer": "optimizer", "activations": "activations"}
 
-    @property
-    def total(self) -> float:
-        return sum(getattr(self, f) for f in self.LABELS)
-
-    def parts(self) -> tuple[tuple[str, float], ...]:
-        """(label, bytes) for every component, in the order :attr:`total` adds them."""
-        return tuple((label, getattr(self, f)) for f, label in self.LABELS.items())
-
 
 @dataclass(frozen=True)
-class CommBytes:
+class CommBytes(_Summed):
     """Bytes one GPU sends per step, by strategy; :attr:`total` adds them up."""
 
     tp: float
@@ -667,14 +665,6 @@ class CommBytes:
     dp: float
 
     LABELS = {"tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "dp": "dp"}
-
-    @property
-    def total(self) -> float:
-        return sum(getattr(self, f) for f in self.LABELS)
-
-    def parts(self) -> tuple[tuple[str, float], ...]:
-        """(strategy, bytes), in the order :attr:`total` adds them."""
-        return tuple((label, getattr(self, f)) for f, label in self.LABELS.items())
 
 
 @dataclass(frozen=True)
