@@ -12,6 +12,12 @@
     (routes, outputs and gradients, with drops, a bias and groups), and against an
     independent einsum computation; a routing bug planted in the fast path is caught; drops;
     bad inputs.
+(g) grouped GEMM: grouped_swiglu's loop, padded and grouped_mm forms against each row computed
+    on its own (float64) or against each other (float32), forward and backward; forward_grouped
+    against the per-token loop; bad arguments.
+(h) router_z_loss against NumPy and its gradient; sigmoid_route against DeepSeek-V3's Gate
+    re-typed here; gshard_top2_route against Algorithm 1 written as a loop, and its draw's
+    rate; balance_loss and sequence_balance_loss, and the scopes disagreeing.
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ from torch.testing import assert_close
 
 from intralayer import moe
 
-from tests.programs.checks import rounding_tol
+from tests.programs.checks import FLOAT32_REORDERED, rounding_tol
 
 
 def softmax64_tol(logits: torch.Tensor) -> dict:
@@ -766,3 +772,312 @@ def test_layer_shapes_and_parameters():
     n = sum(p.numel() for p in layer.parameters())
     assert n == 4 * 3 * H * FFN + 3 * H * FFN + 4 * H
     assert sum(p.numel() for p in moe.MoELayer(H, FFN, 4, 2).parameters()) == 4 * 3 * H * FFN + 4 * H
+
+
+# ------------------------------------------------------------------ (g) grouped GEMM
+
+def grouped_case(E, f, sizes, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(sizes), H, dtype=dtype, generator=g)
+    w1 = torch.randn(E, f, H, dtype=dtype, generator=g) / H ** 0.5
+    w3 = torch.randn(E, f, H, dtype=dtype, generator=g) / H ** 0.5
+    w2 = torch.randn(E, H, f, dtype=dtype, generator=g) / f ** 0.5
+    return x, w1, w3, w2
+
+
+def expert_by_expert(x, sizes, w1, w3, w2):
+    """The experts written out row by row: row r of expert e is w2_e (silu(w1_e x_r) ⊙ w3_e x_r)."""
+    rows, e_of = [], [e for e, n in enumerate(sizes) for _ in range(n)]
+    for r, e in enumerate(e_of):
+        rows.append(w2[e] @ (F.silu(w1[e] @ x[r]) * (w3[e] @ x[r])))
+    return torch.stack(rows) if rows else x.new_zeros(0, x.shape[1])
+
+
+SIZES = [[5, 0, 3, 7], [1, 1, 1, 1], [0, 0, 9, 0], [12, 0, 0, 4]]
+
+
+@pytest.mark.parametrize("sizes", SIZES)
+@pytest.mark.parametrize("impl, pad", [("loop", None), ("padded", None), ("padded", 13)])
+def test_grouped_swiglu_equals_the_experts_row_by_row(sizes, impl, pad):
+    """float64: 'loop' and 'padded' (to the busiest expert, or to a capacity of 13 rows) against
+    each row computed on its own, forward and backward, empty experts included."""
+    x, w1, w3, w2 = (t.requires_grad_() for t in grouped_case(4, FFN, sizes, torch.float64))
+    y = moe.grouped_swiglu(x, sizes, w1, w3, w2, impl, pad_to=pad)
+    want = expert_by_expert(x, sizes, w1, w3, w2)
+    assert y.shape == (sum(sizes), H)
+    close64(y, want)
+    dy = torch.randn_like(y)
+    for a, b in zip(torch.autograd.grad(y, [x, w1, w3, w2], dy), torch.autograd.grad(want, [x, w1, w3, w2], dy)):
+        close64(a, b)
+    # An expert with no rows gets a zero gradient, not none.
+    gw1 = torch.autograd.grad(moe.grouped_swiglu(x, sizes, w1, w3, w2, impl, pad_to=pad).sum(), w1)[0]
+    for e, n in enumerate(sizes):
+        if n == 0:
+            assert (gw1[e] == 0).all()
+
+
+@pytest.mark.parametrize("sizes", SIZES)
+def test_grouped_mm_equals_the_loop_in_float32(sizes):
+    """torch's grouped_mm (on CPU a loop of mm inside ATen) against the Python loop, float32, forward
+    and backward: the same products, so within float32's reordering tolerance; a broadcast
+    gradient (``.sum().backward()``) is accepted."""
+    f = 16                                                    # 16 × 4 bytes: a row of a multiple of 16 bytes
+    x, w1, w3, w2 = (t.requires_grad_() for t in grouped_case(4, f, sizes, torch.float32, seed=1))
+    y = moe.grouped_swiglu(x, sizes, w1, w3, w2, "grouped_mm")
+    want = moe.grouped_swiglu(x, sizes, w1, w3, w2, "loop")
+    assert_close(y, want, **FLOAT32_REORDERED)
+    dy = torch.randn_like(y)
+    for a, b in zip(torch.autograd.grad(y, [x, w1, w3, w2], dy), torch.autograd.grad(want, [x, w1, w3, w2], dy)):
+        assert_close(a, b, **FLOAT32_REORDERED)
+    moe.grouped_swiglu(x, sizes, w1, w3, w2, "grouped_mm").sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (x, w1, w3, w2))
+
+
+def test_grouped_swiglu_on_no_rows():
+    for impl in ("loop", "padded"):
+        x, w1, w3, w2 = grouped_case(3, FFN, [0, 0, 0], torch.float64)
+        assert moe.grouped_swiglu(x, [0, 0, 0], w1, w3, w2, impl).shape == (0, H)
+    x, w1, w3, w2 = grouped_case(3, 16, [0, 0, 0], torch.float32)
+    assert moe.grouped_swiglu(x, [0, 0, 0], w1, w3, w2, "grouped_mm").shape == (0, H)
+
+
+def test_padded_rows():
+    assert moe.padded_rows([5, 0, 3, 7]) == 28
+    assert moe.padded_rows([5, 0, 3, 7], pad_to=10) == 40
+    assert moe.padded_rows([]) == 0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(impl="einsum"), "impl"),
+    (dict(sizes=[5, 0, 3]), "sizes"),
+    (dict(sizes=[5, 0, 3, 6]), "sizes"),
+    (dict(sizes=[5, 0, -3, 13]), "row count"),
+    (dict(impl="padded", pad_to=6), "pad_to"),
+    (dict(impl="grouped_mm", pad_to=7), "pad_to"),
+    (dict(impl="grouped_mm", dtype=torch.float64), "float64"),
+    (dict(impl="grouped_mm", f=FFN + 1), "16 bytes"),
+])
+def test_grouped_swiglu_refuses(kwargs, match):
+    dtype, f = kwargs.pop("dtype", torch.float32), kwargs.pop("f", 16)
+    x, w1, w3, w2 = grouped_case(4, f, [5, 0, 3, 7], dtype)
+    sizes = kwargs.pop("sizes", [5, 0, 3, 7])
+    with pytest.raises(ValueError, match=match):
+        moe.grouped_swiglu(x, sizes, w1, w3, w2, **kwargs)
+    with pytest.raises(ValueError, match="w1, w3"):
+        moe.grouped_swiglu(x, [5, 0, 3, 7], w1, w3, w2.transpose(1, 2), "loop")
+
+
+@pytest.mark.parametrize("T, E, k, cf, shared, groups, top_groups, with_bias", [
+    (24, 8, 2, 0.5, True, 1, None, False),          # drops
+    (20, 6, 3, 1.0, False, 1, None, True),
+    (24, 8, 2, 0.75, True, 4, 2, True),             # group-limited
+    (9, 5, 5, 1.0, True, 1, None, False),           # k = experts
+    (1, 4, 2, 1.0, False, 1, None, False),
+])
+@pytest.mark.parametrize("impl", ["loop", "padded"])
+def test_forward_grouped_equals_the_per_token_loop(T, E, k, cf, shared, groups, top_groups, with_bias, impl):
+    torch.manual_seed(T * 3 + E)
+    layer = moe.MoELayer(H, FFN, E, k, cf, shared=shared, groups=groups, top_groups=top_groups).double()
+    x = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
+    bias = torch.linspace(-0.3, 0.3, E, dtype=torch.float64) if with_bias else None
+    out, r = layer.forward_grouped(x, bias=bias, impl=impl)
+    out_n, r_n = layer.forward_naive(x, bias=bias)
+    assert torch.equal(r.expert_index, r_n.expert_index) and torch.equal(r.kept, r_n.kept)
+    close64(out, out_n)
+    g = torch.randn_like(out)
+    for a, b in zip(grads(layer, x, out, g), grads(layer, x, out_n, g)):
+        close64(a, b)
+    # Padded to the capacity, the static-shape layout: the same result.
+    if impl == "padded":
+        close64(layer.forward_grouped(x, bias=bias, impl="padded", pad_to=r.capacity)[0], out_n)
+
+
+def test_forward_grouped_with_grouped_mm_equals_forward_in_float32():
+    torch.manual_seed(2)
+    layer = moe.MoELayer(16, 32, 8, 2, 0.75, shared=True)                      # 16 and 32 floats: 16-byte rows
+    x = torch.randn(40, 16, requires_grad=True)
+    out, r = layer(x)
+    out_g, r_g = layer.forward_grouped(x, impl="grouped_mm")
+    assert torch.equal(r.kept, r_g.kept) and r.dropped > 0
+    assert_close(out_g, out, **FLOAT32_REORDERED)
+    g = torch.randn_like(out)
+    params = [x, layer.router.weight, layer.w1, layer.w2, layer.w3]
+    for a, b in zip(torch.autograd.grad((out_g * g).sum(), params), torch.autograd.grad((out * g).sum(), params)):
+        assert_close(a, b, **FLOAT32_REORDERED)
+
+
+def test_forward_grouped_refuses_bad_inputs():
+    layer = moe.MoELayer(H, FFN, 4, 2)
+    with pytest.raises(ValueError):
+        layer.forward_grouped(torch.randn(5, H + 1))
+    with pytest.raises(ValueError, match="impl"):
+        layer.forward_grouped(torch.randn(5, H), impl="bmm")
+
+
+# ------------------------------------------------------------------ (h) router numerics, DeepSeek's and GShard's routers, scopes
+
+def test_router_z_loss_against_numpy_and_its_gradient():
+    torch.manual_seed(8)
+    z = torch.randn(30, 8, dtype=torch.float64) * 3
+    want = np.mean(np.log(np.exp(z.numpy()).sum(1)) ** 2)
+    assert float(moe.router_z_loss(z)) == pytest.approx(want, rel=1e-12)
+    zg = z.clone().requires_grad_()
+    moe.router_z_loss(zg).backward()
+    lse = torch.logsumexp(z, -1, keepdim=True)
+    close64(zg.grad, 2 / 30 * lse * torch.softmax(z, -1))                # (2/T) lse_t p_tj
+    assert torch.autograd.gradcheck(moe.router_z_loss, (z.clone().requires_grad_(),))
+
+
+def test_router_z_loss_sees_the_shift_softmax_ignores():
+    z = torch.randn(16, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    losses = [float(moe.router_z_loss(z + c)) for c in (-2.0, 0.0, 5.0, 40.0)]
+    assert losses[1] < losses[2] < losses[3]
+    close64(torch.softmax(z + 40.0, -1), torch.softmax(z, -1))
+    # Its minimum over a common shift is where the mean logsumexp is 0.
+    c = -float(torch.logsumexp(z, -1).mean())
+    best = float(moe.router_z_loss(z + c))
+    assert all(best <= float(moe.router_z_loss(z + c + d)) for d in (-0.1, 0.1))
+    with pytest.raises(ValueError):
+        moe.router_z_loss(torch.randn(8))
+    with pytest.raises(ValueError):
+        moe.router_z_loss(torch.ones(4, 4, dtype=torch.long))
+
+
+def deepseek_gate(logits, k, bias, route_scale, groups, top_groups):
+    """DeepSeek-V3's inference/model.py Gate.forward, re-typed here for sigmoid scores."""
+    scores = logits.sigmoid()
+    original = scores
+    if bias is not None:
+        scores = scores + bias
+    if groups > 1:
+        scores = scores.view(logits.size(0), groups, -1)
+        group_scores = scores.amax(dim=-1) if bias is None else scores.topk(2, dim=-1)[0].sum(dim=-1)
+        indices = group_scores.topk(top_groups, dim=-1)[1]
+        mask = scores.new_ones(logits.size(0), groups, dtype=torch.bool).scatter_(1, indices, False)
+        scores = scores.masked_fill(mask.unsqueeze(-1), float("-inf")).flatten(1)
+    indices = torch.topk(scores, k, dim=-1)[1]
+    weights = original.gather(1, indices)
+    weights = weights / weights.sum(dim=-1, keepdim=True) * route_scale
+    return weights, indices
+
+
+@pytest.mark.parametrize("groups, top_groups", [(1, None), (8, 4), (4, 1)])
+def test_sigmoid_route_is_deepseek_v3s_gate(groups, top_groups):
+    g = torch.Generator().manual_seed(10)
+    logits = torch.randn(50, 32, dtype=torch.float64, generator=g)
+    bias = torch.randn(32, dtype=torch.float64, generator=g) * 0.1
+    r = moe.sigmoid_route(logits, 8, bias=bias, route_scale=2.5, groups=groups, top_groups=top_groups)
+    w, idx = deepseek_gate(logits, 8, bias, 2.5, groups, top_groups or groups)
+    assert torch.equal(r.expert_index, idx)
+    close64(r.weights, w)
+    close64(r.weights.sum(-1), torch.full((50,), 2.5, dtype=torch.float64))
+    assert r.kept.all() and r.dropped == 0 and r.capacity == 50
+    assert torch.equal(r.counts, torch.bincount(idx.flatten(), minlength=32))
+    s = torch.sigmoid(logits)
+    close64(r.probs, s / s.sum(-1, keepdim=True))                        # DeepSeek-V3's s'
+
+
+def test_sigmoid_route_chooses_as_the_logits_do_without_a_bias():
+    logits = torch.randn(40, 16, generator=torch.Generator().manual_seed(11))
+    r = moe.sigmoid_route(logits, 4)
+    assert torch.equal(r.expert_index, logits.topk(4, dim=-1).indices)  # sigmoid keeps the order
+    with pytest.raises(ValueError):
+        moe.sigmoid_route(logits, 17)
+    with pytest.raises(ValueError):
+        moe.sigmoid_route(logits, 2, route_scale=0.0)
+    with pytest.raises(ValueError):
+        moe.sigmoid_route(logits, 2, bias=torch.zeros(15))
+
+
+def gshard_by_hand(logits, cf, rnd):
+    """Algorithm 1 of GShard (one group), with the draw ``rnd`` given, as a plain loop; a second
+    choice the draw turns down takes no place in the queue."""
+    T, E = logits.shape
+    gates = torch.softmax(logits, -1)
+    cap = moe.capacity(T, E, 2, cf)
+    count = [0] * E
+    kept = torch.zeros(T, 2, dtype=torch.bool)
+    top = [gates[t].topk(2) for t in range(T)]
+    for t in range(T):                                                   # first choices
+        e1 = int(top[t].indices[0])
+        if count[e1] < cap:
+            kept[t, 0] = True
+        count[e1] += 1
+    for t in range(T):                                                   # second choices, drawn
+        g1, g2 = (float(v) for v in top[t].values)
+        e2 = int(top[t].indices[1])
+        if 2 * g2 / (g1 + g2) > rnd[t]:
+            if count[e2] < cap:
+                kept[t, 1] = True
+            count[e2] += 1
+    return kept
+
+
+@pytest.mark.parametrize("T, E, cf, seed", [(64, 8, 1.0, 0), (100, 4, 0.5, 1), (33, 6, 2.0, 2)])
+def test_gshard_top2_route_follows_algorithm_1(T, E, cf, seed):
+    logits = torch.randn(T, E, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)) \
+        + torch.linspace(0, 2, E, dtype=torch.float64)
+    r, sampled = moe.gshard_top2_route(logits, cf, generator=torch.Generator().manual_seed(seed + 100))
+    rnd = torch.rand(T, generator=torch.Generator().manual_seed(seed + 100), dtype=torch.float64)
+    assert torch.equal(r.kept, gshard_by_hand(logits, cf, rnd))
+    plain = moe.topk_route(logits, 2, cf)
+    assert torch.equal(r.expert_index, plain.expert_index) and r.capacity == plain.capacity
+    close64(r.weights, plain.weights)                                    # g1/(g1+g2): the softmax of the two
+    assert torch.equal(sampled, 2 * plain.weights[:, 1] > rnd)
+    assert torch.equal(r.kept[:, 1] & ~sampled, torch.zeros(T, dtype=torch.bool))
+    assert (r.kept_counts <= r.capacity).all()
+    assert int(r.counts.sum()) == T + int(sampled.sum())
+
+
+def test_gshard_dispatches_the_second_expert_with_probability_2_g2():
+    logits = torch.randn(20000, 8, generator=torch.Generator().manual_seed(12)) * 1.5
+    r, sampled = moe.gshard_top2_route(logits, 8.0, generator=torch.Generator().manual_seed(13))
+    p = float((2 * r.weights[:, 1]).mean())
+    assert abs(float(sampled.float().mean()) - p) < 4 * (p * (1 - p) / 20000) ** 0.5   # within 4 standard errors
+    assert r.kept[:, 0].all()                                            # roomy: every first choice kept
+    with pytest.raises(ValueError):
+        moe.gshard_top2_route(torch.randn(5, 1), 1.0)
+    with pytest.raises(ValueError):
+        moe.gshard_top2_route(torch.randn(5, 4), 0.0)
+
+
+def test_balance_loss_is_switch_balance_loss_with_counts():
+    torch.manual_seed(14)
+    logits = torch.randn(40, 8, dtype=torch.float64) * 2
+    r = moe.topk_route(logits, 2, 1.0)
+    got = moe.balance_loss(torch.softmax(logits, -1), torch.bincount(r.expert_index.flatten(), minlength=8))
+    assert float(got) == pytest.approx(float(moe.switch_balance_loss(logits, r.expert_index)), rel=1e-12)
+    uniform = moe.balance_loss(torch.full((10, 4), 0.25, dtype=torch.float64), torch.tensor([3, 3, 3, 3]))
+    assert float(uniform) == pytest.approx(1.0, rel=1e-15)
+    for bad in (torch.tensor([1, 2, 3]), torch.tensor([1, -1, 2, 2])):
+        with pytest.raises(ValueError):
+            moe.balance_loss(torch.full((10, 4), 0.25), bad)
+
+
+def test_sequence_balance_loss_averages_the_sequences():
+    g = torch.Generator().manual_seed(15)
+    probs = torch.softmax(torch.randn(48, 6, dtype=torch.float64, generator=g), -1)
+    index = torch.randint(0, 6, (48, 2), generator=g)
+    want = np.mean([float(moe.balance_loss(probs[s:s + 12], torch.bincount(index[s:s + 12].flatten(), minlength=6)))
+                    for s in range(0, 48, 12)])
+    assert float(moe.sequence_balance_loss(probs, index, 12)) == pytest.approx(want, rel=1e-12)
+    one = moe.sequence_balance_loss(probs, index, 48)                   # one sequence: the batch's loss
+    assert float(one) == pytest.approx(float(moe.balance_loss(probs, torch.bincount(index.flatten(), minlength=6))),
+                                       rel=1e-12)
+    p = probs.clone().requires_grad_()
+    moe.sequence_balance_loss(p, index, 12).backward()
+    assert p.grad.abs().sum() > 0
+    with pytest.raises(ValueError):
+        moe.sequence_balance_loss(probs, index, 10)                     # 48 tokens are not sequences of 10
+    with pytest.raises(ValueError):
+        moe.sequence_balance_loss(probs, index[:40], 12)
+
+
+def test_the_scopes_disagree_on_domain_sequences():
+    """Sequences of one domain each, the domains even over the batch: balanced globally, not per sequence."""
+    E, S = 4, 8
+    index = torch.tensor([[d, d] for d in range(E) for _ in range(S)])           # sequence d sends all to expert d
+    probs = F.one_hot(index[:, 0], E).double() * 0.7 + 0.3 / E
+    batch = moe.balance_loss(probs, torch.bincount(index.flatten(), minlength=E))
+    per_sequence = moe.sequence_balance_loss(probs, index, S)
+    assert float(batch) == pytest.approx(1.0) and float(per_sequence) > 3.0
