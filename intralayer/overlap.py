@@ -19,7 +19,9 @@ backward pass; a weight's gradient is this rank's own (no reduction across the g
   reduce-scatter side passes partial sums round the ring: a rank computes its partial
   product for the next destination while the running sum travels.
 - ``"bidirectional"``: the same with shards (and partial sums) travelling both ways
-  round the ring at once, ⌊P/2⌋ steps instead of P−1, both directions of each link busy.
+  round the ring at once, ⌊P/2⌋ steps instead of P−1; whether that also halves the bytes
+  each step waits for depends on whether the two directions have links of their own
+  (:func:`model_times`).
 - ``"chunked"``: the input cut into ``chunks`` pieces, one collective (all-gather or
   reduce-scatter) per piece, the next piece's collective in flight while this piece
   multiplies. The first piece's collective is always exposed.
@@ -47,7 +49,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 from . import comm, rules
-from .collectives import collective_time
+from .collectives import NCCL_RING_NVLINK_STEP_US, collective_time
 from .rules import check_group_device as _check_group_device, check_like as _check_like, \
     check_tensor as _check_tensor, whole as _whole
 
@@ -434,12 +436,14 @@ def _kept(e) -> bool:
     return e.get("ph") == "X" and "dur" in e and (e["name"].startswith(KEPT_PREFIXES) or e.get("cat") == "kernel")
 
 
-def merge_traces(traces: list) -> dict:
+def merge_traces(traces: list, runs=None) -> dict:
     """One small Chrome trace from every rank's ``torch.profiler`` trace (paths or dicts, rank order).
 
     Rank r's events go under process id r, named "rank r"; only the ranges named in
     :data:`KEPT_PREFIXES` and the GPU's kernels are kept, with their thread, start and
     duration (no arguments); times are shifted so the earliest kept event starts at 0.
+    ``runs``, a collection of names of ``run: …`` ranges, keeps only those ranges and what
+    starts inside them (on the same rank), e.g. one run of each schedule out of several.
     Each kind of communication range gets a track of its own ("gloo:send", …): they
     overlap the compute ranges of the thread that posted them, and Perfetto draws only
     ranges that nest on one track. The ranks' clocks are taken to be the same clock (true
@@ -450,9 +454,11 @@ def merge_traces(traces: list) -> dict:
         raise ValueError("merge_traces needs at least one trace")
     kept, tracks = [], {}
     for rank, trace in enumerate(traces):
-        for e in _load(trace).get("traceEvents", []):
-            if not _kept(e):
-                continue
+        events = [e for e in _load(trace).get("traceEvents", []) if _kept(e)]
+        if runs is not None:
+            spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] in runs]
+            events = [e for e in events if any(a <= e["ts"] <= b for a, b in spans)]
+        for e in events:
             tid = e.get("tid", 0)
             if e["name"].startswith(COMM_PREFIXES) and e.get("cat") != "kernel":
                 tid = tracks.setdefault((rank, e["name"]), 10_000 + len(tracks))
@@ -518,30 +524,46 @@ def _step(transfer: float, compute: float, sm_fraction: float) -> float:
     return max(transfer, compute + sm_fraction * transfer)
 
 
+#: The default latency of one step (an all-gather's ring step, or one ring step's send/recv), in
+#: seconds: NCCL's own figure for a ring step over NVLink with its Simple protocol, 3.4 µs
+#: (``hwLatencies`` in src/graph/tuning.cc at 5067397c; :data:`collectives.NCCL_RING_NVLINK_STEP_US`).
+#: Simple, not LL (0.6 µs) or LL128 (1.9 µs): a shard here is megabytes, NCCL's tuner picks Simple for
+#: large messages, and its send/recv uses LL only up to 16 KiB per channel and never LL128
+#: (``P2P_LL_THRESHOLD``, src/enqueue.cc).
+ALPHA = NCCL_RING_NVLINK_STEP_US["Simple"] * 1e-6
+
+
 def model_times(t: int, h: int, tokens: int, chunks: int, bandwidth: float, flops: float,
-                alpha: float = 5e-6, overhead: float = 5e-6, itemsize: int = 2,
-                sm_fraction: float = 0.0) -> dict:
+                alpha: float = ALPHA, overhead: float = 5e-6, itemsize: int = 2,
+                sm_fraction: float = 0.0, separate_directions: bool = False) -> dict:
     """Predicted time of one all-gather + column-parallel matmul ``(tokens, h) → (tokens, 4h/t)``.
 
     Terms: the matmul, ``2·tokens·h·4h/t`` FLOPs at ``flops`` FLOP/s (the rate it reaches, ηF:
     η of the GPU's peak F), plus ``overhead`` per
     kernel; an all-gather of S bytes, chapter 00's ``collective_time`` ((t−1)·α + (t−1)/t·S/B);
-    one ring step, a shard of ``tokens/t·h·e`` bytes point to point, ``α + shard/B``.
+    one ring step, a shard of ``tokens/t·h·e`` bytes point to point, ``α + shard/B``. ``alpha``
+    defaults to :data:`ALPHA`, NCCL's Simple-protocol ring step over NVLink (3.4 µs).
     ``sm_fraction`` (φ) is the share of the GPU's SMs a communication kernel holds while it
     runs: compute beside it runs at 1 − φ of its rate, so a step that overlaps a transfer
-    τ_send with a multiply τ_mul takes ``max(τ_send, τ_mul + φ·τ_send)`` (φ = 0 for copy-engine
-    transfers, which leave the SMs alone; contention for memory bandwidth is not modelled).
+    τ_send with a multiply τ_mul takes ``max(τ_send, τ_mul + φ·τ_send)``. φ = 0 stands for
+    copy-engine transfers, which leave the SMs alone but still read and write the GPU's
+    memory: contention for memory bandwidth is not modelled, so φ = 0 gives a lower bound on
+    the time (an upper bound on what overlap saves).
 
-    ``bandwidth`` is the GPU's one-way bandwidth B, shared by everything it sends at once
-    (a GPU reaches its peers through one set of NVLink ports and a switch, or one NIC).
+    ``bandwidth`` is the GPU's one-way bandwidth B, shared by everything it sends at once (a
+    GPU reaches every peer through the same NVLink ports and NVSwitches, or through one NIC):
+    the bidirectional ring's two shards per step share it. ``separate_directions=True`` gives
+    each direction a link of its own, as a TPU's torus does (each chip has links to each
+    neighbour; Wang et al.'s setting): a step that sends one shard each way then takes as
+    long as one shard's transfer.
 
     Returns seconds for five schedules: ``sequential`` (the all-gather, then one matmul),
     ``sequential_chunked`` (``chunks`` pieces, each gathered then multiplied),
     ``chunked`` (the next piece's all-gather beside this piece's matmul: the first
     all-gather exposed), ``ring`` (t−1 steps, each shard multiplied beside the next
     transfer, one kernel per shard) and ``bidirectional`` (⌊t/2⌋ steps of up to two shards
-    each way: half the latencies, the same bytes through the same B); and ``compute`` and
-    ``comm``, the sequential run's two parts.
+    each way: half the latencies, the same bytes through the same B unless
+    ``separate_directions``); and ``compute`` and ``comm``, the sequential run's two parts.
     """
     for value, what in ((t, "t"), (h, "h"), (tokens, "tokens"), (chunks, "chunks")):
         _whole(value, what)
@@ -571,7 +593,8 @@ def model_times(t: int, h: int, tokens: int, chunks: int, bandwidth: float, flop
     for s in range(forward + 1):
         work = (1 if s == 0 else 1 + (s <= backward)) * shard                   # shards multiplied this step
         if s < forward:                                                         # shards sent on meanwhile
-            bidirectional += _step(alpha + (1 + (s < backward)) * shard_bytes / bandwidth, work, sm_fraction)
+            sent = 1 if separate_directions else 1 + (s < backward)                # shards through one link
+            bidirectional += _step(alpha + sent * shard_bytes / bandwidth, work, sm_fraction)
         else:
             bidirectional += work
     return dict(sequential=gather + matmul + overhead,

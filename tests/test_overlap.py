@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from pathlib import Path
@@ -220,6 +221,20 @@ def test_trace_timeline_keeps_only_what_starts_inside_the_run():
         "c10d::send", "compute: before", "compute: in", "ncclDevKernel_SendRecv", "run: a", "sm90_gemm", "wait: after"]
 
 
+def test_merge_traces_keeps_only_the_runs_asked_for():
+    """Several traced runs of each schedule; the chapter keeps one of each (its median run)."""
+    rank0 = dict(traceEvents=[_event("run: a #0", 100, 10), _event("compute: x", 102, 3), _event("run: a #1", 200, 10),
+                              _event("wait: y", 203, 2), _event("gloo:send", 204, 1, tid=2)])
+    rank1 = dict(traceEvents=[_event("run: a #0", 100, 12, pid=3), _event("compute: x", 101, 3, pid=3),
+                              _event("run: a #1", 205, 10, pid=3), _event("compute: z", 206, 1, pid=3)])
+    merged = overlap.merge_traces([rank0, rank1], runs={"run: a #1"})
+    kept = sorted((e["pid"], e["name"]) for e in merged["traceEvents"] if e["ph"] == "X")
+    assert kept == [(0, "gloo:send"), (0, "run: a #1"), (0, "wait: y"), (1, "compute: z"), (1, "run: a #1")]
+    assert min(e["ts"] for e in merged["traceEvents"] if e["ph"] == "X") == 0.0
+    assert overlap.trace_timeline(merged, "run: a #1", pid=0)[0][:2] == ("wait", "wait: y")
+    assert len([e for e in overlap.merge_traces([rank0, rank1])["traceEvents"] if e["ph"] == "X"]) == 9
+
+
 def test_trace_timeline_and_merge_name_what_is_missing():
     one = dict(traceEvents=[_event("run: a", 0, 1), _event("run: a", 5, 1)])
     with pytest.raises(ValueError, match="2 ranges named 'run: a'; expected exactly one"):
@@ -234,24 +249,24 @@ def test_trace_timeline_and_merge_name_what_is_missing():
 
 # ------------------------------------------------------------------ (d) the cost model
 
-def written_out(t, h, tokens, chunks, B, flops, alpha=5e-6, overhead=5e-6, itemsize=2, phi=0.0):
-    """model_times' docstring, term by term."""
+def written_out(t, h, tokens, chunks, B, flops, alpha=overlap.ALPHA, overhead=5e-6, itemsize=2, phi=0.0, separate=False):
+    """model_times' docstring, term by term (α: NCCL's Simple ring step over NVLink, 3.4 µs)."""
     S = tokens * h * itemsize
     matmul = 2 * tokens * h * (4 * h / t) / flops
     gather = (t - 1) * alpha + (t - 1) / t * S / B                       # chapter 00's ring all-gather
-    step = lambda m, c: max(m, c + phi * m)                                # noqa: E731
-    piece_m = (t - 1) * alpha + (t - 1) / t * S / chunks / B
-    piece_c = matmul / chunks + overhead
-    chunked = piece_m + sum(step(piece_m, piece_c) for _ in range(chunks - 1)) + piece_c
+    step = lambda send, mul: max(send, mul + phi * send)                   # noqa: E731
+    piece_send = (t - 1) * alpha + (t - 1) / t * S / chunks / B
+    piece_mul = matmul / chunks + overhead
+    chunked = piece_send + sum(step(piece_send, piece_mul) for _ in range(chunks - 1)) + piece_mul
     hop, shard = alpha + S / t / B, matmul / t + overhead
     ring = sum(step(hop, shard) for _ in range(t - 1)) + shard
     fwd, bwd = (t // 2, (t - 1) // 2)
     bi = 0.0
     for s in range(fwd + 1):
         work = shard if s == 0 else (2 if s <= bwd else 1) * shard
-        sent = (2 if s < bwd else 1) * S / t / B
+        sent = (2 if s < bwd and not separate else 1) * S / t / B
         bi += step(alpha + sent, work) if s < fwd else work
-    return dict(sequential=gather + matmul + overhead, sequential_chunked=chunks * (piece_m + piece_c),
+    return dict(sequential=gather + matmul + overhead, sequential_chunked=chunks * (piece_send + piece_mul),
                 chunked=chunked, ring=ring, bidirectional=bi, compute=matmul + overhead, comm=gather)
 
 
@@ -268,46 +283,54 @@ GRID = [
 ]
 
 
+@pytest.mark.parametrize("separate", [False, True])
 @pytest.mark.parametrize("phi", [0.0, 20 / 132, 0.5])
 @pytest.mark.parametrize("args", GRID)
-def test_model_times_is_its_formula(args, phi):
-    want = written_out(*args, phi=phi)
-    got = overlap.model_times(*args, sm_fraction=phi)
+def test_model_times_is_its_formula(args, phi, separate):
+    want = written_out(*args, phi=phi, separate=separate)
+    got = overlap.model_times(*args, sm_fraction=phi, separate_directions=separate)
     assert set(got) == set(want)
     for key in want:
         assert math.isclose(got[key], want[key], rel_tol=1e-12, abs_tol=1e-18), key
     t, h, tokens, chunks, B, flops, *rest = args
-    alpha, overhead, itemsize = (rest + [5e-6, 5e-6, 2][len(rest):])[:3]
+    alpha, overhead, itemsize = (rest + [overlap.ALPHA, 5e-6, 2][len(rest):])[:3]
     assert got["comm"] == collective_time("all_gather", t, tokens * h * itemsize, B, alpha)   # chapter 00's model
 
 
 @pytest.mark.parametrize("phi", [0.0, 20 / 132, 0.9])
 @pytest.mark.parametrize("args", GRID)
 def test_what_the_ring_saves_is_its_closed_form(args, phi):
-    """sequential − ring = (t−1)·(min(c, (1−φ)·m) − o), the chapter's rule for when overlap pays."""
+    """sequential − ring = (t−1)·(min(τ_mul, (1−φ)·τ_send) − τ_launch), the chapter's rule for when overlap pays."""
     t, h, tokens, chunks, B, flops, *rest = args
-    alpha, overhead, itemsize = (rest + [5e-6, 5e-6, 2][len(rest):])[:3]
-    m = overlap.model_times(*args, sm_fraction=phi)
+    alpha, overhead, itemsize = (rest + [overlap.ALPHA, 5e-6, 2][len(rest):])[:3]
+    times = overlap.model_times(*args, sm_fraction=phi)
     hop = alpha + tokens * h * itemsize / t / B
     shard = 2 * tokens * h * (4 * h / t) / flops / t + overhead
     saved = overlap.ring_saving(t, hop, shard, overhead, phi)
-    assert math.isclose(m["sequential"] - m["ring"], saved, rel_tol=1e-9, abs_tol=1e-15)
+    assert math.isclose(times["sequential"] - times["ring"], saved, rel_tol=1e-9, abs_tol=1e-15)
 
 
 def test_the_ring_exposes_no_transfer_when_each_shard_covers_one():
     """Compute-bound shards, no contention: the ring is the compute plus t−1 extra kernel
     launches, nothing of the communication; the chunked all-gather still exposes its first piece."""
-    m = overlap.model_times(8, 12288, 2048, 4, 450e9, 494.5e12, sm_fraction=0.0)
-    assert math.isclose(m["ring"], m["compute"] + 7 * 5e-6, rel_tol=1e-12)
-    first = collective_time("all_gather", 8, 2048 * 12288 * 2 / 4, 450e9, 5e-6)
-    assert math.isclose(m["chunked"], first + 4 * (m["compute"] - 5e-6) / 4 + 4 * 5e-6, rel_tol=1e-12)
-    assert m["ring"] < m["chunked"] < m["sequential"] < m["sequential_chunked"]
+    times = overlap.model_times(8, 12288, 2048, 4, 450e9, 494.5e12, sm_fraction=0.0)
+    assert math.isclose(times["ring"], times["compute"] + 7 * 5e-6, rel_tol=1e-12)
+    first = collective_time("all_gather", 8, 2048 * 12288 * 2 / 4, 450e9, overlap.ALPHA)
+    assert math.isclose(times["chunked"], first + 4 * (times["compute"] - 5e-6) / 4 + 4 * 5e-6, rel_tol=1e-12)
+    assert times["ring"] < times["chunked"] < times["sequential"] < times["sequential_chunked"]
+
+
+def test_the_default_latency_is_nccls_simple_ring_step_over_nvlink():
+    """α defaults to NCCL's own figure (tuning.cc at 5067397c, kept in intralayer.collectives), not a round guess."""
+    from intralayer.collectives import NCCL_RING_NVLINK_STEP_US
+    assert overlap.ALPHA == NCCL_RING_NVLINK_STEP_US["Simple"] * 1e-6 == pytest.approx(3.4e-6)
+    assert inspect.signature(overlap.model_times).parameters["alpha"].default == overlap.ALPHA
 
 
 def test_contention_costs_a_share_of_every_hidden_transfer():
     base = dict(t=8, h=12288, tokens=2048, chunks=4, bandwidth=450e9, flops=494.5e12)
     free, taken = overlap.model_times(**base), overlap.model_times(**base, sm_fraction=0.25)
-    hop = 5e-6 + 2048 * 12288 * 2 / 8 / 450e9
+    hop = overlap.ALPHA + 2048 * 12288 * 2 / 8 / 450e9
     assert math.isclose(taken["ring"] - free["ring"], 7 * 0.25 * hop, rel_tol=1e-9)
     assert taken["sequential"] == free["sequential"]        # nothing runs beside a lone collective
 
@@ -324,6 +347,17 @@ def test_both_ways_the_ring_saves_latency_not_bandwidth():
     assert math.isclose(lat["ring"] - lat["bidirectional"], (7 - 4) * 1e-3, rel_tol=1e-9)
 
 
+def test_with_a_link_each_way_the_bidirectional_ring_halves_the_bytes_waited_for():
+    """Wang et al.'s setting (a TPU torus: a link to each neighbour): communication-bound, α = 0,
+    t = 8 both ways waits for 4 shard transfers (the last step sends one) instead of 7."""
+    slow = dict(t=8, h=12288, tokens=2048, chunks=1, bandwidth=5e9, flops=494.5e12, overhead=0.0, alpha=0.0)
+    shared, own = overlap.model_times(**slow), overlap.model_times(**slow, separate_directions=True)
+    hop, shard = 2048 * 12288 * 2 / 8 / 5e9, shared["compute"] / 8
+    assert math.isclose(shared["bidirectional"] - shard, 7 * hop, rel_tol=1e-9)
+    assert math.isclose(own["bidirectional"] - shard, 4 * hop, rel_tol=1e-9)
+    assert own["ring"] == shared["ring"] and own["sequential"] == shared["sequential"]   # one way: nothing changes
+
+
 @pytest.mark.parametrize("t, hop, shard, o, phi, words", [
     (0, 1, 1, 0, 0, "t ≥ 1"), (2, -1, 1, 0, 0, "times ≥ 0"), (2, 1, 1, 0, 1.0, "sm_fraction < 1")])
 def test_ring_saving_rejects_bad_arguments(t, hop, shard, o, phi, words):
@@ -332,11 +366,12 @@ def test_ring_saving_rejects_bad_arguments(t, hop, shard, o, phi, words):
 
 
 def test_model_times_reproduces_the_chapter():
-    """The numbers chapter 07 prints for GPT-3's fc1 (t = 8, 2048 tokens, 4 chunks, 989 TFLOP/s at 50 %)."""
+    """The numbers chapter 07 prints for GPT-3's fc1 (t = 8, 2048 tokens, 4 chunks, 989 TFLOP/s at 50 %),
+    with NCCL's Simple ring step: 3.4 µs over NVLink, 14 µs over the network."""
     nv = overlap.model_times(8, 12288, 2048, 4, LINKS["NVLink 4 (H100 SXM)"].bandwidth, 989e12 * 0.5)
-    ib = overlap.model_times(8, 12288, 2048, 4, LINKS["InfiniBand NDR (1 NIC)"].bandwidth, 989e12 * 0.5)
-    assert nv["sequential"] == pytest.approx(763e-6, abs=0.6e-6) and nv["ring"] == pytest.approx(665e-6, abs=0.6e-6)
-    assert ib["sequential"] == pytest.approx(1546e-6, abs=0.6e-6) and ib["ring"] == pytest.approx(999e-6, abs=0.6e-6)
+    ib = overlap.model_times(8, 12288, 2048, 4, LINKS["InfiniBand NDR (1 NIC)"].bandwidth, 989e12 * 0.5, alpha=14e-6)
+    assert nv["sequential"] == pytest.approx(752e-6, abs=0.6e-6) and nv["ring"] == pytest.approx(665e-6, abs=0.6e-6)
+    assert ib["sequential"] == pytest.approx(1609e-6, abs=0.6e-6) and ib["ring"] == pytest.approx(1062e-6, abs=0.6e-6)
 
 
 @pytest.mark.parametrize("kwargs, words", [

@@ -10,19 +10,21 @@ backward, against the dense MLP. Rank 0 prints the largest differences over all 
 With ``--time`` (and ``--out FILE``), rank 0 also writes what it measured:
 
 Part 2. The share of a tensor- and sequence-parallel block's step (forward + backward)
-spent inside collectives (``comm.accounting`` times them).
+spent inside collectives (``comm.accounting`` times them), in the run of median length.
 Part 3. One step, forward and backward, of a sequence-parallel MLP,
 ``matmul_reduce_scatter(gelu(allgather_matmul(x, W1)), W2)``, with each schedule:
 sequential in one piece (the unfused collectives), sequential in ``--chunks`` pieces,
-chunked and overlapped, the ring, the bidirectional ring. Best of ``--repeats``.
+chunked and overlapped, the ring, the bidirectional ring. Every one of ``--repeats`` runs
+is kept, round robin, so that run i of a schedule can be held against run i of another.
 Part 4. The tensor-parallel MLP on two micro-batches, sequential and overlapped, forward
 and backward.
 Part 5. One ring step's pieces alone and together: a shard's matmul, its send/recv to the
 neighbours, and the two at once (how much of the transfer the matmul beside it hides).
 
-With ``--trace DIR``, one more run of each (parts 3 and 4) under ``torch.profiler``, each in
-a range named ``run: <schedule>``; each rank writes its Chrome trace (it opens in Perfetto)
-to ``DIR/rank<r>.json``. Times come from the CPU clock on gloo and from CUDA events on GPUs,
+With ``--trace DIR``, ``--trace-runs`` more runs of each (parts 3 and 4), round robin, under
+``torch.profiler``, each in a range named ``run: <schedule> #<i>`` (the chapter draws each
+schedule's median run); each rank writes its Chrome trace (it opens in Perfetto) to
+``DIR/rank<r>.json``. Times come from the CPU clock on gloo and from CUDA events on GPUs,
 where the trace also holds the GPU's timeline (NCCL's kernels, the matmuls). Every tensor
 is built on the rank's device.
 
@@ -150,11 +152,12 @@ class Clock:
         return time.perf_counter() - t0
 
 
-def best(clock: Clock, fns: dict, repeats: int) -> dict:
-    """The fastest of ``repeats`` runs of each of ``fns``, after one warm-up each.
+def measure(clock: Clock, fns: dict, repeats: int) -> dict:
+    """Every one of ``repeats`` runs of each of ``fns``, in seconds, after one warm-up each.
 
     The runs go round robin (one of each, then again), so a change in the machine's load
-    touches every variant alike; the ranks start each run together.
+    touches every variant alike and run i of one variant can be held against run i of
+    another; the ranks start each run together.
     """
     times = {name: [] for name in fns}
     for rep in range(repeats + 1):
@@ -163,7 +166,7 @@ def best(clock: Clock, fns: dict, repeats: int) -> dict:
             took = clock.time(fn)
             if rep:
                 times[name].append(took)
-    return {name: min(t) for name, t in times.items()}
+    return times
 
 
 def mlp_step(x, W1, W2, g, schedule, chunks):
@@ -178,7 +181,7 @@ def mlp_step(x, W1, W2, g, schedule, chunks):
 
 
 def block_share(d, tokens, hidden, repeats, clock) -> dict:
-    """Part 2: a TP+SP block's step and the time its collectives took (comm.accounting), fastest run."""
+    """Part 2: a TP+SP block's step and the time its collectives took (comm.accounting), the median run."""
     P, g = d.world_size, d.group
     torch.manual_seed(0)
     s, b = tokens // 8, 2
@@ -191,7 +194,7 @@ def block_share(d, tokens, hidden, repeats, clock) -> dict:
             took = clock.time(lambda: block(x).sum().backward())
         if rep:
             runs.append((took, sum(rec.seconds for rec in acc.records)))
-    total, in_comm = min(runs)
+    total, in_comm = sorted(runs)[len(runs) // 2]                              # the median run
     return dict(s=s, b=b, h=hidden, step=total, comm=in_comm)
 
 
@@ -208,16 +211,16 @@ def contention(d, tokens, hidden, dtype, repeats, clock) -> dict:
         F.linear(shard, W)
         pending.wait()
 
-    return best(clock, {"matmul": lambda: F.linear(shard, W),
+    return measure(clock, {"matmul": lambda: F.linear(shard, W),
                         "send/recv": lambda: comm.ring_exchange_start([shard], 1, g).wait(),
                         "together": both}, repeats)
 
 
-def timings(d, tokens, hidden, chunks, repeats, dtype, trace_dir) -> dict:
+def timings(d, tokens, hidden, chunks, repeats, dtype, trace_dir, trace_runs) -> dict:
     P, g, dev = d.world_size, d.group, d.device
     clock = Clock(dev)
     out = dict(sizes=dict(tokens=tokens, hidden=hidden, P=P, chunks=chunks, repeats=repeats, dtype=str(dtype),
-                          device=dev.type))
+                          device=dev.type, trace_runs=trace_runs if trace_dir is not None else 0))
     out["block"] = block_share(d, tokens, hidden, repeats, clock)
     gen = torch.Generator(device=dev).manual_seed(1 + d.rank)
 
@@ -237,18 +240,19 @@ def timings(d, tokens, hidden, chunks, repeats, dtype, trace_dir) -> dict:
                 w.grad = None
             overlap.mlp_microbatches(xm, W1, W2, g, ov).sum().backward()
         runs[name] = micro
-    out["step"] = best(clock, runs, repeats)
+    out["step"] = measure(clock, runs, repeats)
     out["contention"] = contention(d, tokens, hidden, dtype, 2 * repeats, clock)
     if trace_dir is not None:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
         dist.barrier()
         with profile(activities=activities) as prof:
-            for name, fn in runs.items():
-                dist.barrier()
-                with record_function(f"run: {name}"):
-                    fn()
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize()
+            for i in range(trace_runs):                                 # round robin, as the timed runs
+                for name, fn in runs.items():
+                    dist.barrier()
+                    with record_function(f"run: {name} #{i}"):
+                        fn()
+                        if dev.type == "cuda":
+                            torch.cuda.synchronize()
         folder = Path(trace_dir)
         folder.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(folder / f"rank{d.rank}.json"))
@@ -264,10 +268,11 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=1024, help="tokens T of the sequence (all ranks together)")
     ap.add_argument("--hidden", type=int, default=128, help="hidden size h (the MLP is h → 4h → h)")
     ap.add_argument("--chunks", type=int, default=4, help="pieces of the chunked schedules")
-    ap.add_argument("--repeats", type=int, default=10, help="runs of each variant; the fastest counts")
+    ap.add_argument("--repeats", type=int, default=20, help="timed runs of each variant (all are kept)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--out", help="write rank 0's measurements to this JSON file")
     ap.add_argument("--trace", metavar="DIR", help="write each rank's torch.profiler trace to DIR/rank<r>.json")
+    ap.add_argument("--trace-runs", type=int, default=3, help="runs of each variant under the profiler (with --trace)")
     a = ap.parse_args(argv)
     with distributed.setup() as d:
         if a.tokens % (d.world_size * a.chunks) or (4 * a.hidden) % d.world_size:
@@ -277,7 +282,7 @@ def main(argv=None) -> None:
         every = [None] * d.world_size
         dist.all_gather_object(every, (rows, mlp))
         measured = timings(d, a.tokens, a.hidden, a.chunks, a.repeats, getattr(torch, a.dtype),
-                           a.trace) if a.time else None
+                           a.trace, a.trace_runs) if a.time else None
         if measured is not None:
             gathered = [None] * d.world_size
             dist.all_gather_object(gathered, measured)
