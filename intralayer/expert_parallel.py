@@ -229,6 +229,63 @@ def skewed_router_logits(T: int, E: int, skew: float, seed: int, hidden: int = 1
     return x @ W + skew * torch.linspace(0, 1, E)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where each expert's replicas sit and the load that leaves each rank with.
+
+    ``replicas[e]`` copies of expert e; ``slots[r]`` the experts rank r holds (one entry per
+    replica); ``rank_load[r]`` the assignments rank r processes, each replica taking an equal
+    share of its expert's."""
+    replicas: tuple[int, ...]
+    slots: tuple[tuple[int, ...], ...]
+    rank_load: tuple[float, ...]
+
+    @property
+    def straggler(self) -> float:
+        return max(self.rank_load) / (sum(self.rank_load) / len(self.rank_load))
+
+
+def contiguous_placement(load, P: int) -> Placement:
+    """The chapter's layer: expert e on rank e·P // E, one copy each."""
+    load = np.asarray(load, dtype=float)
+    E = load.size
+    check_placement(E, P)
+    per = E // P
+    slots = tuple(tuple(range(r * per, (r + 1) * per)) for r in range(P))
+    return Placement((1,) * E, slots, tuple(float(load[list(s)].sum()) for s in slots))
+
+
+def redundant_placement(load, P: int, redundant: int) -> Placement:
+    """Redundant experts by the two steps of DeepSeek's EPLB global policy (its
+    ``replicate_experts`` and ``balanced_packing``, commit d52c72d), written here anew.
+
+    1. Give ``redundant`` extra replicas, one at a time, to the expert whose load per replica
+       is the largest (ties: the lower index).
+    2. Each replica carries its expert's load divided by its replica count; place them,
+       heaviest first, on the least-loaded rank that still has a free slot. Every rank gets
+       (E + redundant)/P slots. Greedy, so more replicas can pack worse than fewer.
+    """
+    load = np.asarray(load, dtype=float)
+    E = load.size
+    if load.ndim != 1 or E == 0 or (load < 0).any():
+        raise ValueError(f"redundant_placement needs one non-negative load per expert, got shape {load.shape}")
+    if redundant < 0 or (E + redundant) % P:
+        raise ValueError(f"E + redundant = {E} + {redundant} slots must split evenly over P = {P} ranks "
+                         f"(every rank holds the same number of experts)")
+    replicas = np.ones(E, dtype=int)
+    for _ in range(redundant):
+        replicas[int(np.argmax(load / replicas))] += 1
+    per_rank = (E + redundant) // P
+    items = sorted(((load[e] / replicas[e], e) for e in range(E) for _ in range(replicas[e])),
+                   key=lambda item: (-item[0], item[1]))
+    slots, rank_load = [[] for _ in range(P)], [0.0] * P
+    for share, e in items:
+        r = min((r for r in range(P) if len(slots[r]) < per_rank), key=lambda r: (rank_load[r], r))
+        slots[r].append(e)
+        rank_load[r] += float(share)
+    return Placement(tuple(int(n) for n in replicas), tuple(tuple(s) for s in slots), tuple(rank_load))
+
+
 # ---------------------------------------------------------------------------- overlap
 
 def _prepare(layer: ExpertParallelMoE, x: torch.Tensor):

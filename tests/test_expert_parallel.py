@@ -272,3 +272,39 @@ def test_simulate_rejects_a_number_of_nodes_below_one(nodes):
 def test_simulate_wants_one_logits_matrix_per_rank(ranks):
     with pytest.raises(ValueError, match="4"):
         ep.simulate(logits_for([5] * ranks, 8), 2, 1.0, 4)
+
+
+# ---------------------------------------------------------------------------- redundant experts
+
+def test_redundant_placement_replicates_by_load_per_replica_and_packs_heaviest_first():
+    # 10 splits into 5 + 5, then 6 (not 10 again) is the most load per replica: 3 + 3
+    p = ep.redundant_placement([10, 6, 1, 1], P=2, redundant=2)
+    assert p.replicas == (2, 2, 1, 1)
+    assert sorted(map(len, p.slots)) == [3, 3]
+    assert list(p.rank_load) == [9.0, 9.0]            # 5 + 3 + 1 on each rank, heaviest first
+    # the layer as built: experts 0 and 1 on rank 0
+    assert ep.contiguous_placement([10, 6, 1, 1], P=2).rank_load == (16.0, 2.0)
+    # heaviest first evens these out exactly; lightest first would leave 9 and 11
+    assert ep.redundant_placement([5, 4, 3, 3, 3, 2], P=2, redundant=0).rank_load == (10.0, 10.0)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_redundant_placement_keeps_the_load_and_never_loses_an_expert(seed):
+    rng = np.random.default_rng(seed)
+    E, P = 8, 4
+    load = rng.integers(0, 500, E)
+    for extra in (0, 4, 8):
+        p = ep.redundant_placement(load, P, extra)
+        assert sum(p.replicas) == E + extra and min(p.replicas) >= 1
+        assert [sorted(e for s in p.slots for e in s).count(i) for i in range(E)] == list(p.replicas)
+        assert all(len(s) == (E + extra) // P for s in p.slots)
+        assert np.isclose(sum(p.rank_load), load.sum())
+        # no rank carries more than the heaviest replica beyond an even share
+        assert max(p.rank_load) <= load.sum() / P + max(load / np.array(p.replicas)) + 1e-9
+
+
+def test_redundant_placement_refuses_slots_that_do_not_split():
+    with pytest.raises(ValueError, match="split evenly over P = 4"):
+        ep.redundant_placement([1] * 8, P=4, redundant=3)
+    with pytest.raises(ValueError, match="non-negative load per expert"):
+        ep.redundant_placement([1, -1], P=2, redundant=0)
