@@ -177,3 +177,213 @@ def greedy_reference(model: TinyGPT, prompt: torch.Tensor, steps: int) -> tuple[
         out.append(token)
         ids = torch.cat([ids, token[None]])
     return torch.stack(out), every
+
+
+# ---------------------------------------------------------------------------- decode's collectives, by formula
+
+def decode_all_reduces(layers: int) -> int:
+    """All-reduces one tensor-parallel forward issues (prefill or a decode step): the vocabulary-parallel
+    embedding's one, then the attention output projection's and the MLP's in each of the L blocks."""
+    _whole(layers, "layers L", "decode_all_reduces")
+    return 1 + 2 * layers
+
+
+def _whole(value, what: str, who: str, least: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{who}: {what} must be a whole number ≥ {least}, got {value!r}")
+
+
+def _positive(value, what: str, who: str, zero: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value >= 0 if zero else value > 0)
+    if not ok or value != value or value == float("inf"):
+        raise ValueError(f"{who}: {what} must be a finite number {'≥' if zero else '>'} 0, got {value!r}")
+
+
+#: The all-reduce algorithms :func:`allreduce_time` models; "auto" takes the fastest of the three.
+ALLREDUCE_ALGORITHMS = ("ring", "one-shot", "two-shot", "auto")
+
+
+def allreduce_time(algorithm: str, n: int, size_bytes: float, bandwidth: float, alpha: float) -> float:
+    """Seconds of one all-reduce of S = ``size_bytes`` on n ranks, in chapter 00's α–β model.
+
+    - ``ring``: ``2(n−1)·α + 2(n−1)/n · S/B`` (:func:`intralayer.collectives.collective_time`): bandwidth-optimal,
+      2(n−1) latency-bound steps.
+    - ``one-shot``: every rank sends its whole S to each of the n−1 others and each adds the n copies itself:
+      ``α + (n−1) · S/B`` — one step, n−1 times the bytes.
+    - ``two-shot``: a reduce-scatter then an all-gather, each one direct step to every peer:
+      ``2α + 2(n−1)/n · S/B`` — the ring's bytes in two steps.
+
+    One α per step for all three is the model's assumption (a step is a round of sends that must land before
+    the next begins), and B is each GPU's one-way link bandwidth, as on an NVSwitch node where every GPU reaches
+    every other at full speed.
+    """
+    from .collectives import collective_time
+    if algorithm not in ALLREDUCE_ALGORITHMS:
+        raise ValueError(f"allreduce_time: algorithm must be one of {ALLREDUCE_ALGORITHMS}, got {algorithm!r}")
+    _whole(n, "ranks n", "allreduce_time")
+    _positive(size_bytes, "size S (bytes)", "allreduce_time", zero=True)
+    _positive(bandwidth, "bandwidth B (bytes/s)", "allreduce_time")
+    _positive(alpha, "latency α (s)", "allreduce_time", zero=True)
+    if n == 1:
+        return 0.0
+    if algorithm == "auto":
+        return min(allreduce_time(a, n, size_bytes, bandwidth, alpha) for a in ALLREDUCE_ALGORITHMS[:3])
+    if algorithm == "ring":
+        return collective_time("all_reduce", n, size_bytes, bandwidth, alpha)
+    if algorithm == "one-shot":
+        return alpha + (n - 1) * size_bytes / bandwidth
+    return 2 * alpha + 2 * (n - 1) / n * size_bytes / bandwidth
+
+
+def one_shot_crossover(n: int, bandwidth: float, alpha: float) -> float:
+    """The size S* (bytes) above which two-shot beats one-shot: ``α + (n−1)S/B = 2α + 2(n−1)S/(nB)`` gives
+    ``S* = α·B·n / ((n−1)(n−2))``. On two ranks the bandwidth terms are equal and one-shot always wins (inf)."""
+    _whole(n, "ranks n", "one_shot_crossover", least=2)
+    _positive(bandwidth, "bandwidth B (bytes/s)", "one_shot_crossover")
+    _positive(alpha, "latency α (s)", "one_shot_crossover", zero=True)
+    if n == 2:
+        return float("inf")
+    return alpha * bandwidth * n / ((n - 1) * (n - 2))
+
+
+# ---------------------------------------------------------------------------- prefill under context parallelism
+
+def ring_pass_bytes(variant: str, new: int, cached: int, heads: int, kv_heads: int, head_dim: int, P: int,
+                    itemsize: int = 2) -> int:
+    """Bytes one rank sends, per layer, in a context-parallel ring over P ranks that attends ``new`` tokens
+    (split over the ranks) against ``cached + new`` keys and values (the cached ones already spread over them).
+
+    - ``pass-KV``: every rank's keys and values travel round the ring, P−1 hops of its share:
+      ``(P−1)/P · 2·(cached + new)·a_kv·d·e``.
+    - ``pass-Q``: the queries travel instead, and each rank's partial outputs (and their log-sum-exps, ignored
+      here) must come back to the query's owner: ``(P−1)/P · 2·new·a·d·e``.
+
+    The course's count of the two rings' bytes (chapter 04's ring, GQA's a_kv ≤ a).
+    """
+    if variant not in ("pass-KV", "pass-Q"):
+        raise ValueError(f"ring_pass_bytes: variant must be 'pass-KV' or 'pass-Q', got {variant!r}")
+    for value, what in ((heads, "heads a"), (kv_heads, "key/value heads a_kv"), (head_dim, "head dim d"),
+                        (P, "ranks P"), (itemsize, "itemsize e")):
+        _whole(value, what, "ring_pass_bytes")
+    _whole(new, "new tokens", "ring_pass_bytes")
+    _whole(cached, "cached tokens", "ring_pass_bytes", least=0)
+    if heads % kv_heads:
+        raise ValueError(f"ring_pass_bytes: a = {heads} query heads must be a multiple of a_kv = {kv_heads}")
+    if new % P or cached % P:
+        raise ValueError(f"ring_pass_bytes: {new} new and {cached} cached tokens must split evenly over P = {P}")
+    if variant == "pass-KV":
+        return (P - 1) * 2 * (cached + new) // P * kv_heads * head_dim * itemsize
+    return (P - 1) * 2 * new // P * heads * head_dim * itemsize
+
+
+def pass_q_threshold(heads: int, kv_heads: int) -> float:
+    """The share of new tokens, new / (new + cached), below which pass-Q sends fewer bytes than pass-KV:
+    ``new·a < (cached + new)·a_kv`` ⇔ ``new / (new + cached) < a_kv / a``."""
+    _whole(heads, "heads a", "pass_q_threshold")
+    _whole(kv_heads, "key/value heads a_kv", "pass_q_threshold")
+    return kv_heads / heads
+
+
+# ---------------------------------------------------------------------------- a small serving planner
+
+#: H100 SXM's HBM3 bandwidth, bytes/s (NVIDIA H100 datasheet: 3.35 TB/s).
+H100_HBM_BANDWIDTH = 3.35e12
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """One tensor-parallel replica serving ``batch`` sequences of ``context`` tokens: memory and time per GPU."""
+
+    model: str
+    t: int
+    batch: int
+    context: int
+    weights: float          # bytes per GPU
+    kv: float               # bytes per GPU: the batch's whole cache at ``context`` tokens
+    memory: float           # bytes per GPU available
+    kv_per_token: float     # bytes per GPU per cached token
+    step_memory: float      # s: reading the weights and the cache from HBM once
+    step_compute: float     # s: the step's FLOPs at the kernel efficiency
+    step_comm: float        # s: 1 + 2L all-reduces of b·h·e and the logits' all-gather
+    prefill: float          # s: one prompt of ``prompt`` tokens, batch 1
+    prefill_comm: float     # s: its all-reduces of s·h·e
+
+    @property
+    def fits(self) -> bool:
+        return self.weights + self.kv <= self.memory
+
+    @property
+    def max_tokens(self) -> int:
+        """Cached tokens that fit beside the weights (0 when the weights alone do not fit)."""
+        return max(int((self.memory - self.weights) // self.kv_per_token), 0)
+
+    @property
+    def step(self) -> float:
+        """Seconds per decode step: the slower of memory and compute, then the all-reduces (on the critical path)."""
+        return max(self.step_memory, self.step_compute) + self.step_comm
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.batch / self.step / self.t
+
+
+def weight_bytes_per_gpu(m, t: int, itemsize: int = 2) -> float:
+    """A dense model's weights on one of t tensor-parallel ranks: q and o, the MLP, the vocabulary-parallel
+    embedding and head split t ways; the k and v projections split only while t ≤ a_kv (chapter 02's rule);
+    the norms whole."""
+    if m.is_moe:
+        raise ValueError(f"weight_bytes_per_gpu covers dense models; {m.name} is a mixture of experts")
+    _whole(t, "t", "weight_bytes_per_gpu")
+    kv_bytes(m, t)                                                   # the a_kv / t rule
+    d = m.hidden // m.heads
+    per_layer = (2 * m.hidden * m.heads * d / t + 2 * m.hidden * max(m.kv_heads // t, 1) * d
+                 + m.mlp_matrices * m.hidden * m.ffn / t + 2 * m.hidden)
+    return itemsize * (m.layers * per_layer + 2 * m.vocab * m.hidden / t + m.hidden)
+
+
+def kv_bytes(m, t: int, tokens: int = 1, itemsize: int = 2) -> int:
+    """:func:`kv_cache_bytes` for a planner :class:`~intralayer.planner.Model`."""
+    return kv_cache_bytes(m.layers, m.kv_heads, m.hidden // m.heads, tokens, t, itemsize)
+
+
+def serve_plan(m, cluster, t: int, batch: int, context: int, prompt: int | None = None, itemsize: int = 2,
+               algorithm: str = "ring", alpha: float | None = None, hbm: float = H100_HBM_BANDWIDTH) -> ServePlan:
+    """A tensor-parallel replica of ``m`` on t GPUs of one NVLink node of ``cluster`` (chapter 08's
+    :class:`~intralayer.planner.Cluster`, its kernel-efficiency curve and link bandwidth).
+
+    - memory: :func:`weight_bytes_per_gpu` + the batch's cache at ``context`` tokens (:func:`kv_bytes`);
+    - a decode step reads every weight and the whole cache once (HBM bandwidth ``hbm``), computes
+      ``2·(active parameters) + 4·context·a·d·L`` FLOPs per sequence at chapter 08's kernel efficiency, and issues
+      :func:`decode_all_reduces` all-reduces of b·h·e (:func:`allreduce_time`, α defaults to chapter 00's
+      1.9 µs, NCCL's LL128 ring step over NVLink) and an all-gather of the b·v logits;
+    - a prefill of ``prompt`` tokens (default ``context``) at batch 1: ``2·(active)·s + 2·s²·a·d·L`` FLOPs
+      (causal), the same all-reduces of s·h·e.
+    """
+    from .collectives import NCCL_RING_NVLINK_STEP_US, collective_time
+    from .planner import gemm_size, kernel_efficiency, params
+    for value, what in ((t, "t"), (batch, "batch b"), (context, "context")):
+        _whole(value, what, "serve_plan")
+    if t > cluster.gpus_per_node:
+        raise ValueError(f"serve_plan: t = {t} exceeds the {cluster.gpus_per_node} GPUs of one NVLink node of "
+                         f"{cluster.name}; keep tensor parallelism inside a node")
+    if m.heads % t:
+        raise ValueError(f"serve_plan: {m.heads} heads do not split over t = {t}")
+    prompt = context if prompt is None else prompt
+    _whole(prompt, "prompt", "serve_plan")
+    alpha = NCCL_RING_NVLINK_STEP_US["LL128"] * 1e-6 if alpha is None else alpha
+    weights = weight_bytes_per_gpu(m, t, itemsize)
+    per_token = kv_bytes(m, t, 1, itemsize)
+    kv = per_token * batch * context
+    d = m.hidden // m.heads
+    active = params(m)["active"]
+    eta = kernel_efficiency(cluster, gemm_size(m, t))
+    flops_step = batch * (2 * active + 4 * context * m.heads * d * m.layers) / t
+    B = cluster.intra
+    ar = decode_all_reduces(m.layers)
+    comm = 0.0 if t == 1 else (ar * allreduce_time(algorithm, t, batch * m.hidden * itemsize, B, alpha)
+                               + collective_time("all_gather", t, batch * m.vocab * itemsize, B, alpha))
+    flops_prefill = (2 * active * prompt + 2 * prompt ** 2 * m.heads * d * m.layers) / t
+    prefill_comm = 0.0 if t == 1 else ar * allreduce_time(algorithm, t, prompt * m.hidden * itemsize, B, alpha)
+    prefill = max(flops_prefill / (cluster.peak * eta), weights / hbm) + prefill_comm
+    return ServePlan(m.name, t, batch, context, weights, kv, cluster.memory, per_token, (weights + kv) / hbm,
+                     flops_step / (cluster.peak * eta), comm, prefill, prefill_comm)

@@ -28,6 +28,7 @@ PROGRAMS = [
     ("intralayer.programs.cp_attention", [], None),
     ("intralayer.programs.cp_tp", [], 4),
     ("intralayer.programs.ep_moe", [], None),
+    ("intralayer.programs.inference_decode", [], None),
     ("intralayer.programs.mesh_demo", [], 4),
     ("intralayer.programs.overlap_tp", ["--time", "--trace", str(Path(tempfile.gettempdir()) / "overlap_tp_traces")],
      None),

@@ -53,6 +53,9 @@ def check_decode(n, r, group):
         per_rank = sum(c.nbytes for c in caches)
         formula = inference.kv_cache_bytes(LAYERS, kv or HEADS, D, (S0 + STEPS) * B, t=n, itemsize=4)
         expect(per_rank == formula, f"{what}: the caches hold {per_rank} bytes on rank {r}, the formula {formula}")
+        # a formula that splits a shared key/value head (a_kv/t without the floor of 1) must disagree
+        wrong = 2 * LAYERS * ((kv or HEADS) // n) * D * 4 * (S0 + STEPS) * B
+        expect((kv or HEADS) >= n or per_rank != wrong, f"{what}: the a_kv/t formula {wrong} was not told apart")
         expect(all(c.length == S0 + STEPS - 1 for c in caches), f"{what}: cache lengths {[c.length for c in caches]}")
         # one decode step's collectives
         with comm.accounting() as acc:
