@@ -83,7 +83,9 @@ class _Namespace(dict):
 
 
 def notebook_of(chapter: str) -> Path:
-    return next(p for p in LABS if p.name.startswith(chapter[2:] + "_"))
+    """The learner's copy of the chapter's lab (exercises/labs/): its check cells hold the visible cases only."""
+    solution = next(p for p in LABS if p.name.startswith(chapter[2:] + "_"))
+    return ROOT / "exercises" / "labs" / solution.name
 
 
 # ---------------------------------------------------------------------------- wrong answers
@@ -101,6 +103,7 @@ def test_every_lab_has_wrong_answers_for_every_check():
 
 @pytest.mark.parametrize("chapter", WRONG)
 def test_every_wrong_answer_is_rejected_in_words(chapter):
+    """By the visible cases alone: the check cells of the learner's copy, without nbgrader's hidden ones."""
     module = importlib.import_module(f"tests.labs_wrong.{chapter}")
     notebook = notebook_of(chapter)
     checks = [check_for(notebook, gid, answer) for gid, answer, _ in module.WRONG]

@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from .parts import Implementation, Param, calls_of, differ, earlier_part, group_info, hunt, in_group_words, \
-    in_group_words_hunt, lab
-from .monitor import COLLECTIVES, watch
+from .parts import Implementation, Param, hunt, lab
+from .common import calls_of, differ, earlier_part, group_info
+from .runner import COLLECTIVES, watch
 
 RING_WHY = ("this lab builds the collective from point-to-point sends and receives "
             "(dist.send/recv, isend/irecv, batch_isend_irecv), not from a collective or the library's own ring")
@@ -132,7 +132,6 @@ def _summary_ring(op: str, factor: str):
 @lab("ring_reduce_scatter", ("ring_reduce_scatter",), params=RING_PARAMS, forbid_ops=COLLECTIVES, why=RING_WHY,
      forbid_modules=("intralayer.collectives",),
      summary=_summary_ring("reduce-scatter", "(n−1)/n"))
-@in_group_words
 def check_reduce_scatter(ns, case, group) -> dict:
     n, me = group_info(group)
     c = case["chunk"]
@@ -157,7 +156,6 @@ def check_reduce_scatter(ns, case, group) -> dict:
 @lab("ring_all_reduce", ("ring_all_reduce",), params=RING_PARAMS, forbid_ops=COLLECTIVES, why=RING_WHY,
      forbid_modules=("intralayer.collectives",),
      summary=_summary_ring("all-reduce", "2(n−1)/n"))
-@in_group_words
 def check_all_reduce(ns, case, group) -> dict:
     n, me = group_info(group)
     c = case["chunk"]
@@ -265,10 +263,10 @@ def all_gather_average(x, group):
     return GatherAverageGradient.apply(x, group)
 
 
-in_group_words_hunt(hunt("gather_backward", "test_all_gather", {
+hunt("gather_backward", "test_all_gather", {
     "keep_own": Implementation(all_gather_keep_own, True, "lightly-ai/lightly#1528"),
     "correct": Implementation(all_gather_sum, False),
     "average": Implementation(all_gather_average, True, "cellarium-ai/cellarium-ml#184"),
 }, hint="give each rank a loss of its own (weights that depend on the rank, say) and expect, for each rank's "
         "x, the gradient of the sum of all the ranks' losses: when every rank's loss is the same, keeping "
-        "one's own gradient differs from the right answer only by the factor n, which a test can overlook"))
+        "one's own gradient differs from the right answer only by the factor n, which a test can overlook")

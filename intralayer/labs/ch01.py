@@ -26,8 +26,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .parts import in_group_words, in_group_words_hunt, Implementation, calls_of, differ, group_info, hunt, lab, traffic
-from .monitor import watch
+from .parts import Implementation, hunt, lab
+from .common import calls_of, differ, group_info, traffic
+from .runner import watch
 
 #: float64 throughout: a reordered sum of n ≤ 64 terms of order 1 differs from the dense one
 #: by at most 2γ_n·Σ|terms| ≈ 2·64·2⁻⁵³·64 ≈ 9e-13; 1e-10 leaves a hundredfold margin and is
@@ -73,7 +74,6 @@ def _summary_g(facts: dict) -> str:
 
 
 @lab("copy_to_group", ("CopyToGroup",), summary=_summary_f)
-@in_group_words
 def check_f(ns, case, group) -> dict:
     n, me = group_info(group)
     x0 = _rand(7)                                      # replicated: the same input on every rank
@@ -105,7 +105,6 @@ def check_f(ns, case, group) -> dict:
 
 
 @lab("reduce_from_group", ("ReduceFromGroup",), summary=_summary_g)
-@in_group_words
 def check_g(ns, case, group) -> dict:
     n, me = group_info(group)
     parts = [_rand(200 + q) for q in range(n)]         # each rank's partial sum differs
@@ -171,10 +170,10 @@ def row_linear_bias_over_t(x, weight, bias, group):
     return _Sum.apply(x @ weight.T + bias / t, group)                # right output; bias.grad / t
 
 
-in_group_words_hunt(hunt("row_parallel_bias", "test_row_linear", {
+hunt("row_parallel_bias", "test_row_linear", {
     "bias_before_sum": Implementation(row_linear_bias_before_sum, True,
                                       "Wenyueh/MinivLLM#80 and PaddlePaddle/Paddle#35186"),
     "correct": Implementation(row_linear, False),
     "bias_over_t": Implementation(row_linear_bias_over_t, True, "pytorch/torchtitan#4332"),
 }, hint="compare everything the layer promises with a dense nn.Linear: the output and every gradient, "
-        "the bias's included"))
+        "the bias's included")

@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .parts import in_group_words, in_group_words_hunt, Implementation, Param, calls_of, differ, group_info, hunt, lab, traffic
-from .monitor import watch
+from .parts import Implementation, Param, hunt, lab
+from .common import calls_of, differ, group_info, traffic
+from .runner import watch
 
 #: float64: the longest reduction is the 4h = 24-term row of fc2 (and the s·b = 6 rows of a
 #: weight gradient); 2γ_24·Σ|terms| with Σ|terms| ≲ 24 is ≈ 1.3e-13, so 1e-10 is a wide margin
@@ -60,7 +61,6 @@ def _summary_shard(facts: dict) -> str:
 
 
 @lab("shard_mlp", ("shard_mlp",), params=SEED, forbid_modules=("intralayer.tensor_parallel",), why=WHY, summary=_summary_shard)
-@in_group_words
 def check_shard(ns, case, group) -> dict:
     n, me = group_info(group)
     fc1, fc2 = dense_mlp(case["seed"])
@@ -110,7 +110,6 @@ def _summary_mlp(facts: dict) -> str:
 
 @lab("megatron_mlp", ("megatron_mlp",), params=SEED, forbid_modules=("intralayer.tensor_parallel",), why=WHY,
      summary=_summary_mlp)
-@in_group_words
 def check_mlp(ns, case, group) -> dict:
     n, me = group_info(group)
     fc1, fc2 = dense_mlp(case["seed"])
@@ -231,11 +230,11 @@ def greedy_token_floor_offset(hidden, weight, vocab, group):
     return _largest_across(best, local + start, group)
 
 
-in_group_words_hunt(hunt("padded_vocab_argmax", "test_greedy_token", {
+hunt("padded_vocab_argmax", "test_greedy_token", {
     "unmasked": Implementation(greedy_token_unmasked, True, "mirage-project/mirage#751"),
     "correct": Implementation(greedy_token, False),
     "floor_offset": Implementation(greedy_token_floor_offset, True),
 }, hint="the bug needs padding rows (a vocabulary that t does not divide) and a position whose real logits are "
         "all negative; compare every id with the argmax of the unsplit, unpadded logits — a test that only asks "
         "for ids below the vocabulary size misses a slice placed at the wrong offset, whose ids are real but "
-        "wrong"))
+        "wrong")

@@ -39,8 +39,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .parts import earlier_part, in_group_words, in_group_words_hunt, Implementation, Param, calls_of, differ, group_info, hunt, lab, traffic
-from .monitor import watch
+from .parts import Implementation, Param, hunt, lab
+from .common import calls_of, differ, earlier_part, group_info, traffic
+from .runner import watch
 
 #: float64 throughout: the longest sums are fc2's 24 terms and a weight gradient's s·b = 24 rows
 #: of order 1, whose reordering costs ≲ 2γ₂₄·24 ≈ 1.3e-13; 1e-10 leaves a wide margin and sits
@@ -89,7 +90,6 @@ def _summary_gather(facts: dict) -> str:
 @lab("gather_sequence", ("GatherSequence",), params=SEED, forbid_modules=("intralayer.comm",
                                                                           "intralayer.sequence_parallel"),
      why=WHY_GATHER, summary=_summary_gather)
-@in_group_words
 def check_gather(ns, case, group) -> dict:
     n, me = group_info(group)
     g = torch.Generator().manual_seed(1000 * case["seed"] + n)
@@ -200,7 +200,6 @@ def _summary_mlp(facts: dict) -> str:
 @lab("sp_mlp", ("sp_mlp",), params=SEED, forbid_modules=("intralayer.comm", "intralayer.sequence_parallel",
                                                          "intralayer.tensor_parallel"), why=WHY_MLP,
      summary=_summary_mlp)
-@in_group_words
 def check_mlp(ns, case, group) -> dict:
     n, me = group_info(group)
     earlier = earlier_part(ns, "GatherSequence", 1, check_gather, case, group)
@@ -302,7 +301,6 @@ def _summary_sync(facts: dict) -> str:
 @lab("sync_grads", ("sync_grads",), params=SEED, forbid_modules=("intralayer.comm", "intralayer.sequence_parallel",
                                                                  "intralayer.tensor_parallel"), why=WHY_MLP,
      summary=_summary_sync)
-@in_group_words
 def check_sync(ns, case, group) -> dict:
     n, me = group_info(group)
     ref = reference(case["seed"], n, me)
@@ -413,10 +411,10 @@ def sp_norm_linear_averaged(x, ln_w, ln_b, weight, group):
     return _GatherSequence.apply(z, group) @ weight.T                 # (s, b, out/t)
 
 
-in_group_words_hunt(hunt("sp_layernorm_grads", "test_sp_norm_linear", {
+hunt("sp_layernorm_grads", "test_sp_norm_linear", {
     "unsynced": Implementation(sp_norm_linear_unsynced, True, "EleutherAI/gpt-neox#1259"),
     "correct": Implementation(sp_norm_linear, False),
     "averaged": Implementation(sp_norm_linear_averaged, True, "EleutherAI/gpt-neox#1259"),
 }, hint="the output and the gradients of x and weight are right in every version: compare the LayerNorm's "
         "gradients, ln_w.grad and ln_b.grad, with those of a dense nn.LayerNorm over the whole sequence, on every "
-        "rank"))
+        "rank")

@@ -42,9 +42,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from .parts import earlier_part, in_group_words, in_group_words_hunt, Implementation, Param, calls_of, differ, group_info, hunt, lab
-from . import monitor
-from .monitor import COLLECTIVES, watch
+from .parts import Implementation, Param, hunt, lab
+from .common import calls_of, differ, earlier_part, group_info
+from .runner import COLLECTIVES, FLIGHT, Mode, watch
 
 #: float64. The longest sums are over s = 12 keys (and s·b rows of a gradient) of terms up to
 #: ~1e3 in the loud rows' scores; their rounding stays below 2γ₁₂·1e3·12 ≈ 3e-11 relative to the
@@ -164,7 +164,7 @@ _SCORE_OPS = {"bmm", "mm", "baddbmm", "addmm", "matmul", "_softmax", "_log_softm
               "max", "sub", "div", "mul", "masked_fill", "where", "add", "_safe_softmax"}
 
 
-class _ScoreWidths(monitor.Mode):
+class _ScoreWidths(Mode):
     """The widest key axis of any score matrix (…, s/P, w) the learner's code computed: ring attention
     works on one block of s/P keys at a time, so w > s/P means it held several blocks' keys at once.
 
@@ -282,7 +282,6 @@ def _summary_forward(facts: dict) -> str:
 
 @lab("ring_attention", ("ring_attention",), params=PARAMS, forbid_ops=COLLECTIVES,
      forbid_modules=("intralayer.context_parallel",), why=WHY, summary=_summary_forward)
-@in_group_words
 def check_forward(ns, case, group) -> dict:
     n, me = group_info(group)
     causal = case["causal"]
@@ -292,7 +291,7 @@ def check_forward(ns, case, group) -> dict:
     N = B_ * A_ * SL_ * D_
     with watch() as calls:
         arrived = lambda: (sum(c.elements for c in calls_of(calls, "recv")) >= 2 * (n - 1) * N
-                           and not monitor.FLIGHT["pending"])
+                           and not FLIGHT["pending"])
         census = lambda: _blocks_in_memory(K, V, n, me, [Q, K, V] + [c.data for c in calls_of(calls, "send")])
         with _ScoreWidths(arrived, census) as widths:
             got = ns.ring_attention(q, k, v, group, causal)
@@ -329,7 +328,6 @@ def _summary_backward(facts: dict) -> str:
 
 @lab("ring_attention_backward", ("RingAttention",), params=PARAMS, forbid_ops=COLLECTIVES,
      forbid_modules=("intralayer.context_parallel",), why=WHY, summary=_summary_backward)
-@in_group_words
 def check_backward(ns, case, group) -> dict:
     n, me = group_info(group)
     earlier = earlier_part(ns, "ring_attention", 1, check_forward, case, group)
@@ -517,10 +515,10 @@ def ring_attention_block_d(q, k, v, group):
     return RingAttentionBlockD.apply(q, k, v, group)
 
 
-in_group_words_hunt(hunt("ring_backward_blocks", "test_ring_attention", {
+hunt("ring_backward_blocks", "test_ring_attention", {
     "stale_kv": Implementation(ring_attention_stale_kv, True, "huggingface/diffusers#14265"),
     "correct": Implementation(ring_attention_correct, False),
     "block_d": Implementation(ring_attention_block_d, True, "tenstorrent/tt-metal#53205"),
 }, hint="the forward pass is right in every version, and one of them gets v's gradient right: compare the "
         "gradients of q, k and v — all three — with those of dense attention over the whole sequence, on every "
-        "rank, with keys and values that differ from rank to rank"))
+        "rank, with keys and values that differ from rank to rank")

@@ -39,8 +39,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .parts import earlier_part, in_group_words, in_group_words_hunt, Implementation, Param, differ, group_info, hunt, lab, traffic
-from .monitor import watch
+from .parts import Implementation, Param, hunt, lab
+from .common import differ, earlier_part, group_info, traffic
+from .runner import watch
 
 E_, H_, F_ = 5, 4, 6                   # experts, hidden size, expert width
 #: float64: the longest reduction is an F_ = 6-term row of an expert's down projection
@@ -170,7 +171,6 @@ def _summary_dispatch(facts: dict) -> str:
 
 @lab("moe_dispatch", ("dispatch",), params=PARAMS, forbid_modules=("intralayer.expert_parallel", "intralayer.moe"),
      why=WHY, summary=_summary_dispatch)
-@in_group_words
 def check_dispatch(ns, case, group) -> dict:
     n, me = group_info(group)
     x0, expert_index, cap = routing(case, me)
@@ -289,7 +289,6 @@ def _summary_combine(facts: dict) -> str:
 
 @lab("moe_combine", ("combine",), params=PARAMS, forbid_modules=("intralayer.expert_parallel", "intralayer.moe"),
      why=WHY, summary=_summary_combine)
-@in_group_words
 def check_combine(ns, case, group) -> dict:
     n, me = group_info(group)
     k = case["k"]
@@ -404,10 +403,10 @@ def dispatch_first(part):
     return part
 
 
-in_group_words_hunt(dispatch_first(hunt("balance_loss_capacity", "test_balance_loss", {
+dispatch_first(hunt("balance_loss_capacity", "test_balance_loss", {
     "kept_only": Implementation(balance_loss_kept_only, True, "NVIDIA/Megatron-LM#1513"),
     "correct": Implementation(balance_loss, False),
     "local_counts": Implementation(balance_loss_local_counts, True),
 }, hint="the bug needs assignments that capacity drops (kept must have a False) and a router whose choices are "
         "uneven; compare the sum of the ranks' shares with E·Σ f_i·π_i computed on one process from every "
-        "rank's logits and choices")))
+        "rank's logits and choices"))

@@ -43,8 +43,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import comm
-from .parts import earlier_part, in_group_words, in_group_words_hunt, Implementation, Param, calls_of, differ, group_info, hunt, lab, traffic
-from .monitor import watch
+from .parts import Implementation, Param, hunt, lab
+from .common import calls_of, differ, earlier_part, group_info, traffic
+from .runner import watch
 
 H_, F_ = 4, 5                          # hidden size, expert width; E = 2P experts, two per rank
 #: float64: the longest reduction is an F_ = 5-term row of a down projection, or a weight
@@ -154,7 +155,6 @@ def _summary_dispatch(facts: dict) -> str:
 
 
 @lab("ep_dispatch", ("ep_dispatch",), params=PARAMS, forbid_modules=FORBID, why=WHY, summary=_summary_dispatch)
-@in_group_words
 def check_dispatch(ns, case, group) -> dict:
     n, me = group_info(group)
     E = 2 * n
@@ -285,7 +285,6 @@ def _summary_moe(facts: dict) -> str:
 
 
 @lab("ep_moe", ("ep_moe",), params=PARAMS, forbid_modules=FORBID, why=WHY, summary=_summary_moe)
-@in_group_words
 def check_moe(ns, case, group) -> dict:
     n, me = group_info(group)
     earlier = earlier_part(ns, "ep_dispatch", 1, check_dispatch, case, group)
@@ -382,11 +381,11 @@ def expert_grads_router_unreduced(x, router, w, group):
     return router_grad, w_grad / dist.get_world_size(group)      # the router: this rank's tokens only
 
 
-in_group_words_hunt(hunt("expert_grad_scale", "test_expert_grads", {
+hunt("expert_grad_scale", "test_expert_grads", {
     "unscaled": Implementation(expert_grads_unscaled, True,
                                "databricks/megablocks#20, deepspeedai/DeepSpeed#5259 and NVIDIA/Megatron-LM#5956"),
     "correct": Implementation(expert_grads, False),
     "router_unreduced": Implementation(expert_grads_router_unreduced, True, "NVIDIA/Megatron-LM#599"),
 }, hint="give every rank tokens of its own, and compare both returned gradients — the router's and this rank's "
         "experts' — with those of the single-device layer whose loss is the mean of ½‖y‖² over all the group's "
-        "tokens"))
+        "tokens")

@@ -42,9 +42,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .parts import earlier_part, in_group_words, in_group_words_hunt, Implementation, Param, calls_of, differ, group_info, hunt, lab
-from . import monitor
-from .monitor import COLLECTIVES, watch
+from .parts import Implementation, Param, hunt, lab
+from .common import calls_of, differ, earlier_part, group_info
+from .runner import COLLECTIVES, FLIGHT, Mode, watch
 
 #: float64: the longest reduction is a k = 5 or o = 4 term dot product, or a t ≤ 4 term sum
 #: of such products; 2γ_n·Σ|terms| with n ≤ 20 and Σ|terms| ≲ 20 is ≈ 1e-13, so 1e-10 is
@@ -73,7 +73,7 @@ def layer(case: dict, t: int) -> dict:
 
 # ---------------------------------------------------------------------------- the schedule
 
-class _Products(monitor.Mode):
+class _Products(Mode):
     """Every matrix product with the weight (or a copy of it), and what was in flight then.
 
     Dispatch-level ops are seen in the backward pass too (the engine runs it on this
@@ -120,7 +120,7 @@ def schedule(weight: torch.Tensor, storages: set | None = None):
     """Follow the learner's receives and waits, and its products with ``weight`` (and with the
     tensors in ``storages``, copies of it seen before; the set grows with new copies)."""
     storages = {weight.untyped_storage().data_ptr()} if storages is None else storages
-    mode = _Products(storages, monitor.FLIGHT, monitor.FLIGHT["posted"])
+    mode = _Products(storages, FLIGHT, FLIGHT["posted"])
     with mode:
         yield mode
 
@@ -223,7 +223,6 @@ def _summary_forward(facts: dict) -> str:
 
 @lab("ring_allgather_matmul", ("ring_allgather_matmul",), params=PARAMS, forbid_ops=COLLECTIVES,
      forbid_modules=FORBIDDEN, why=WHY, summary=_summary_forward)
-@in_group_words
 def check_forward(ns, case, group) -> dict:
     t, me = group_info(group)
     d = layer(case, t)
@@ -281,7 +280,6 @@ def _summary_autograd(facts: dict) -> str:
 
 @lab("allgather_matmul_backward", ("AllGatherMatmul",), params=PARAMS, forbid_ops=COLLECTIVES,
      forbid_modules=FORBIDDEN, why=WHY, summary=_summary_autograd)
-@in_group_words
 def check_autograd(ns, case, group) -> dict:
     earlier = earlier_part(ns, "ring_allgather_matmul", 1, check_forward, case, group)
     t, me = group_info(group)
@@ -401,10 +399,10 @@ def allgather_matmul_mirrored(x_shard, weight, group):
     return out
 
 
-in_group_words_hunt(hunt("ring_output_rows", "test_allgather_matmul", {
+hunt("ring_output_rows", "test_allgather_matmul", {
     "step_rows": Implementation(allgather_matmul_step_rows, True),
     "correct": Implementation(allgather_matmul, False),
     "mirrored": Implementation(allgather_matmul_mirrored, True),
 }, hint="compare the whole (t·n, o) output with the unfused all-gather and matmul on every rank, not on rank 0 "
         "only, and give every rank a different shard: the misplaced blocks show on the ranks other than 0, and "
-        "a shard placed as if it came from the other side only on 3 or more ranks"))
+        "a shard placed as if it came from the other side only on 3 or more ranks")

@@ -46,9 +46,9 @@ import torch.nn.functional as F
 
 from .. import planner
 from .check import GROUP_TIMEOUT_S
-from .parts import earlier_part, in_group_words, in_group_words_hunt, Implementation, Param, calls_of, differ, group_info, hunt, lab, traffic
-from .runner import layout
-from .monitor import watch
+from .parts import Implementation, Param, hunt, lab
+from .common import calls_of, differ, earlier_part, group_info, traffic
+from .runner import layout, watch
 
 #: float64: the longest reduction is fc2's 4h = 24-term row, or a weight gradient's sum over
 #: the B ≤ 8 rows; 2γ_24·Σ|terms| with Σ|terms| ≲ 24 is ≈ 1.3e-13: 1e-10 is a wide margin, far
@@ -111,7 +111,6 @@ def _as_lists(value, what: str) -> tuple[list[list[int]] | None, str | None]:
 
 
 @lab("mesh_ranks", ("mesh_ranks",), params=PARAMS, summary=_summary_place)
-@in_group_words
 def check_place(ns, case, group) -> dict:
     n, me = group_info(group)
     ranks = dist.get_process_group_ranks(group)
@@ -182,7 +181,6 @@ def _summary_step(facts: dict) -> str:
 
 @lab("tp_dp_step", ("tp_dp_step",), params=PARAMS, forbid_modules=("intralayer.tensor_parallel",), why=WHY,
      summary=_summary_step)
-@in_group_words
 def check_step(ns, case, group) -> dict:
     earlier = earlier_part(ns, "mesh_ranks", 1, check_place, case, group)
     n, _ = group_info(group)
@@ -341,11 +339,11 @@ def mfu_counting_all_experts(model, seq_len, tokens_per_second, peak_flops):
     return 6 * (weights + scores) * tokens_per_second / peak_flops
 
 
-in_group_words_hunt(hunt("mfu_counts", "test_mfu", {
+hunt("mfu_counts", "test_mfu", {
     "embedding": Implementation(mfu_counting_embedding, True, "pytorch/torchtitan#274, fixed in #280"),
     "correct": Implementation(mfu, False),
     "all_experts": Implementation(mfu_counting_all_experts, True,
                                   "pytorch/torchtitan#4300 and AI-Hypercomputer/maxtext#678"),
 }, hint="compare with chapter 08's count of model FLOPs (planner.flops_per_token(model, seq_len)['model']) on a "
         "dense model whose vocabulary is large against its layers, and on an MoE model with top_k smaller than "
-        "the number of experts"))
+        "the number of experts")

@@ -1,20 +1,9 @@
 """The rank side of a lab check: :func:`run_jobs` runs on each of four pool ranks.
 
-:class:`intralayer.labs.Check` hands :func:`intralayer.ranks.run` this function with the
-jobs (which part, the learner's objects pickled by :mod:`.transport`, the cases). Each
-rank joins one gloo group of all four, then, job by job and case by case, makes the case's
-groups (:func:`layout`) and runs the part's rank-side check on its group, with what the lab
-forbids refused (:mod:`.monitor`, and stand-ins for the library's answer) and what the
-learner's code prints captured. After each job it reports its outcomes at once
-(:func:`intralayer.ranks.report`), so a rank that dies later still leaves them.
-
-Safety: every case's group has a timeout (``group_timeout``: a send that no one receives
-fails in seconds); after each case all ranks meet on the world group, so a rank stuck in a
-communication call of its case holds the others only until that timeout (one stuck in an
-endless loop, until the world group's timeout or the check's deadline). A rank whose case
-raised closes its side of the case's group at once, so that its peers stop waiting. After a
-job in which any rank of a case failed, each rank leaves without tearing its groups down
-(``os._exit``), once its results are reported; the pool stops what is left at its deadline.
+Case by case, each rank makes the case's groups (:func:`layout`, each with a timeout) and runs the
+part's check on its own under :func:`watch`, with the forbidden library modules stubbed out; then all
+four meet on the world group. Each job's outcomes are reported at once (:func:`intralayer.ranks.report`),
+so a rank that dies later still leaves them; after a failed case a rank leaves without teardown.
 """
 from __future__ import annotations
 
@@ -25,80 +14,123 @@ import os
 import re
 import sys
 import types
+import weakref
 
 import cloudpickle
 import torch
 import torch.distributed as dist
 
 from .. import distributed, ranks
-from . import monitor, parts
+from ..record import COLLECTIVES, OPERATIONS, Mode, Recorder  # noqa: F401  (the chapters' names for them)
+from . import parts
 
-WORLD = 4
-#: Lines of what the learner's code printed, kept per rank and case.
-PRINTED_LINES = 12
+WORLD, PRINTED_LINES = 4, 12       # ranks of a check; lines of what the learner's code printed, per rank and case
 
 
 def layout(ranks: int, world: int = WORLD) -> list[list[int]]:
-    """The groups a case of ``ranks`` ranks runs on, each as sorted process numbers.
-
-    Two ranks run on the pairs [1, 2] and [0, 3] at once, three on [1, 2, 3], four on all:
-    in every case but the last, some group rank differs from its process number, so code
-    that uses ``dist.get_rank()`` (the process number) where it needs ``dist.get_rank(group)``
-    fails in the visible cases too.
-    """
+    """A case's groups of process numbers: 2 ranks on [1, 2] and [0, 3] at once, 3 on [1, 2, 3], 4 on all; in all
+    but the last some group rank differs from its process number, so a visible case catches dist.get_rank()."""
     if not 1 <= ranks <= world:
         raise ValueError(f"a case needs 1 to {world} ranks, not {ranks}")
-    if ranks == world:
-        return [list(range(world))]
     if 2 * ranks == world:
         return [list(range(1, ranks + 1)), sorted({0, *range(ranks + 1, world)})]
     return [list(range(world - ranks, world))]
 
 
-def error_info(exc: BaseException, files: set[str]) -> dict:
-    """An exception as the notebook side reports it: type, first line, the learner's frames."""
-    info = ranks.error_info(exc)
-    text = info["message"]
-    first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0]) if text else ""
-    comm = isinstance(exc, (RuntimeError, dist.DistError))
-    return {"type": info["type"], "message": first[:400], "frames": [f for f in info["frames"] if f[0] in files],
-            "timed_out": comm and bool(re.search(r"timed out|timeout", text, re.I)),
-            "lost_peer": comm and bool(re.search(r"closed by peer|reset by peer|broken pipe", text, re.I))}
+class Forbidden(RuntimeError):
+    """The learner's code called an operation the lab does not allow."""
+
+
+FLIGHT: dict = {"posted": 0, "pending": {}}     # receives posted in the outermost watch; those not waited for
+_watches: list = []
+_waited: weakref.WeakValueDictionary = weakref.WeakValueDictionary()   # a dropped request is forgotten
+
+
+class _Recorder(Recorder):
+    copy_sends = True
+
+    def admit(self, op, group):
+        if group is dist.group.WORLD:
+            raise Forbidden("this call used the default process group (every process of the job), not the "
+                            "group it was given: pass group=group to every torch.distributed call")
+        for _, forbid, why in _watches:
+            if op in forbid:
+                raise Forbidden(f"{op.replace('_', '-')} is not allowed here: {why}")
+
+    def record(self, calls):
+        for recorded, _, _ in _watches:
+            recorded.extend(calls)
+
+    def issued(self, op, out):
+        if op == "recv":                               # posted now, in flight until its wait()
+            work = dist.Work.unbox(out)
+            FLIGHT["posted"] += 1
+            FLIGHT["pending"][id(work)] = work
+
+
+def _wait_once(wait):
+    """``Work.wait`` is a method, not an operator: wrapped, so that a second wait on a request is named
+    (gloo would wait for ever) and a waited receive leaves :data:`FLIGHT`."""
+    def checked(self, *args, **kwargs):
+        if _watches:
+            if id(self) in _waited:
+                raise Forbidden("wait() was called a second time on the same request: a request is waited on "
+                                "once (after its first wait it is done; keep the result, not the request)")
+            _waited[id(self)] = self
+            FLIGHT["pending"].pop(id(self), None)
+        return wait(self, *args, **kwargs)
+    return checked
+
+
+@contextlib.contextmanager
+def watch(forbid=frozenset(), why: str = ""):
+    """The block's data-moving calls, as a list of :class:`intralayer.record.Call`; :class:`Forbidden` for a
+    forbidden one or one on the default group."""
+    if bad := set(forbid) - OPERATIONS:
+        raise ValueError(f"unknown operations {sorted(bad)}; the operations are {sorted(OPERATIONS)}")
+    calls, outermost = [], not _watches
+    _watches.append((calls, frozenset(forbid), why))
+    if outermost:
+        wait, mode = vars(dist.Work)["wait"], _Recorder()
+        dist.Work.wait = _wait_once(wait)
+        mode.__enter__()
+    try:
+        yield calls
+    finally:
+        if outermost:
+            mode.__exit__(None, None, None)
+            dist.Work.wait = wait
+            _waited.clear()
+            FLIGHT.update(posted=0, pending={})
+        _watches.pop()
 
 
 class _Refused(type):
-    """The type of a stand-in class: calling it, or reading any attribute it lacks, raises."""
+    """A forbidden class's stand-in: calling it, or reading an attribute of it, raises."""
 
     def __call__(cls, *args, **kwargs):
-        raise monitor.Forbidden(cls._refusal)
+        raise Forbidden(cls._refusal)
 
     def __getattr__(cls, attr):
-        raise monitor.Forbidden(cls._refusal)
+        raise Forbidden(cls._refusal)
 
 
-def _stub(qualified: str, why: str, original):
-    """A stand-in for a forbidden function or class that raises :class:`monitor.Forbidden` when used."""
-    refusal = f"{qualified} is not allowed here: {why}"
-    if isinstance(original, type):
-        return _Refused(original.__name__, (), {"_refusal": refusal, "__module__": original.__module__})
+def _stub(refusal: str, value):
+    if isinstance(value, type):
+        return _Refused(value.__name__, (), {"_refusal": refusal})
 
-    def stub(*args, **kwargs):
-        raise monitor.Forbidden(refusal)
-    stub.__name__ = original.__name__
-    return stub
+    def refuse(*args, **kwargs):
+        raise Forbidden(refusal)
+    return refuse
 
 
 @contextlib.contextmanager
 def _guard(modules: tuple[str, ...], why: str):
-    """The public functions and classes of the forbidden modules replaced by stubs that raise."""
-    saved = []
-    for name in modules:
-        module = importlib.import_module(name)
-        for attr, value in list(vars(module).items()):
-            if not attr.startswith("_") and isinstance(value, (types.FunctionType, type)) \
-                    and getattr(value, "__module__", None) == name:
-                saved.append((module, attr, value))
-                setattr(module, attr, _stub(f"{name}.{attr}", why, value))
+    """The public functions and classes of the forbidden modules replaced by stand-ins that raise."""
+    saved = [(m, a, v) for name in modules for m in [importlib.import_module(name)] for a, v in list(vars(m).items())
+             if not a.startswith("_") and isinstance(v, (types.FunctionType, type)) and v.__module__ == name]
+    for module, attr, value in saved:
+        setattr(module, attr, _stub(f"{module.__name__}.{attr} is not allowed here: {why}", value))
     try:
         yield
     finally:
@@ -106,48 +138,100 @@ def _guard(modules: tuple[str, ...], why: str):
             setattr(module, attr, value)
 
 
-def _run_case(part, ns, case, group, files) -> dict:
-    """One case on this rank: the part's check, what the learner's code printed, refusals."""
-    printed = io.StringIO()
-    mine = tuple(dist.get_process_group_ranks(group))
+@contextlib.contextmanager
+def _group_less(files: set[str]):
+    """Which of dist.get_rank() and get_world_size() the learner's code called without its group."""
+    seen, originals = [], (dist.get_rank, dist.get_world_size)
+
+    def wrap(original, name):
+        def wrapper(group=None, *args, **kwargs):
+            if (group is None or group is dist.group.WORLD) and sys._getframe(1).f_code.co_filename in files:
+                seen.append(name)
+            return original(group, *args, **kwargs)
+        return wrapper
+    dist.get_rank, dist.get_world_size = wrap(originals[0], "get_rank"), wrap(originals[1], "get_world_size")
     try:
-        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed), \
-                monitor.watch(part.forbid_ops, part.why) as calls:
-            outcome = part.run(ns, case, group)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as exc:                      # the learner's code may raise anything, SystemExit too
-        outcome, calls = {"error": error_info(exc, files)}, []
-        if not (outcome["error"]["timed_out"] or outcome["error"]["lost_peer"]):
-            # Leave the case's group. (Measured on 2.13: this does not close gloo's connections while the
-            # group object lives — the failed frames hold it — so a peer still waiting for this rank in a
-            # send or a collective learns it at the group's timeout. Freeing the group to close them at
-            # once broke the next cases' groups: the job's world group lost its peers.)
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group(group)
-    strays = sorted({c.group for c in calls if not set(c.group) <= set(mine)})     # sub-groups of it are fine
-    if strays:
+        yield seen
+    finally:
+        dist.get_rank, dist.get_world_size = originals
+
+
+def _process_number(seen: list[str], group) -> str | None:
+    members, n = dist.get_process_group_ranks(group), dist.get_world_size(group)
+    moved = [f"process {p} is rank {j}" for j, p in enumerate(members) if p != j]
+    said = ([f"dist.get_rank() without its group is the process number, not the rank in the group (in this group "
+             f"of processes {members}, {', '.join(moved)})"] if "get_rank" in seen and moved else []) + \
+        ([f"dist.get_world_size() without its group counts every process ({dist.get_world_size()}), not the "
+          f"group's {n} ranks"] if "get_world_size" in seen and dist.get_world_size() != n else [])
+    return ("it used the global rank (the process number) where the group rank is needed: " + "; ".join(said)
+            + ". Use dist.get_rank(group) and dist.get_world_size(group)") if said else None
+
+
+def _reworded(text: str, said: str | None, group) -> str | None:
+    """A first line for an error that a peer computed from the process number causes (gloo's and torch's
+    words name neither), or None."""
+    members = dist.get_process_group_ranks(group)
+    if m := re.search(r"Global rank (\d+) is not part of group", text):
+        return (f"torch read peer {m[1]} as a process number (dst=, src= and a P2POp's peer are global ranks, even "
+                f"with group=), and process {m[1]} is not in this group (processes {members}): name the peer by its "
+                f"rank in the group with group_dst=, group_src= or group_peer=" + (f". Also, {said}" if said else ""))
+    if m := re.search(r"Group rank (\d+) is not part of group", text):
+        what = f"it named group rank {m[1]} as a peer, but the group has only ranks 0 to {len(members) - 1}"
+    elif "Pair is not connected" in text:
+        what = "a rank sent to or received from itself (gloo says 'Pair is not connected')"
+    else:
+        return said
+    return f"{said}; so {what}" if said else \
+        what + " — a peer computed from dist.get_rank() (the process number) instead of dist.get_rank(group)?"
+
+
+def error_info(exc: BaseException, files: set[str]) -> dict:
+    """An exception as the notebook side reports it: type, first line, the learner's frames only."""
+    info, text = ranks.error_info(exc), str(exc)
+    comm = isinstance(exc, (RuntimeError, dist.DistError))
+    return {"type": info["type"], "message": re.sub(r"^\[[^\]]*\]\s*", "", (text.strip().splitlines() or [""])[0])[:400],
+            "frames": [f for f in info["frames"] if f[0] in files],
+            "timed_out": comm and bool(re.search(r"timed out|timeout", text, re.I)),
+            "lost_peer": comm and bool(re.search(r"closed by peer|reset by peer|broken pipe", text, re.I))}
+
+
+def _run_case(part, ns, case, group, files) -> dict:
+    """One case on this rank: the part's check, what the learner's code printed, refusals, in words."""
+    printed, mine = io.StringIO(), tuple(dist.get_process_group_ranks(group))
+    with _group_less(files) as seen:
+        try:
+            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed), \
+                    watch(part.forbid_ops, part.why) as calls:
+                outcome = part.run(ns, case, group)
+            if (said := _process_number(seen, group)) and outcome.get("problems"):
+                outcome["problems"].append(said)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:                  # the learner's code may raise anything, SystemExit too
+            if words := _reworded(str(exc), _process_number(seen, group), group):
+                exc.args = (words,)
+            outcome, calls = {"error": error_info(exc, files)}, []
+            if not (outcome["error"]["timed_out"] or outcome["error"]["lost_peer"]):
+                with contextlib.suppress(Exception):  # leave the case's group (peers learn it at its timeout)
+                    dist.destroy_process_group(group)
+    if strays := sorted({c.group for c in calls if not set(c.group) <= set(mine)}):
         outcome.setdefault("problems", []).append(
             f"it communicated in a group of ranks {list(strays[0])}, not in the group it was given "
             f"(ranks {list(mine)}): pass group=group to every call")
-    outcome["printed"] = printed.getvalue().splitlines()[:PRINTED_LINES]
-    return outcome
+    return {**outcome, "printed": printed.getvalue().splitlines()[:PRINTED_LINES]}
 
 
-def run_job(job: dict, d: distributed.Dist, group_timeout: float) -> tuple[dict, bool]:
-    """This rank's outcome of every case of one job, and whether a group timed out (or failed)."""
-    part = parts.get(job["part"])
-    files = set(job["files"])
-    parts.LEARNER_FILES.clear()
-    parts.LEARNER_FILES.update(files)
+def run_job(job: dict, d, group_timeout: float) -> tuple[dict, bool]:
+    """This rank's outcome of every case of one job, and whether any case failed."""
+    part, files = parts.get(job["part"]), set(job["files"])
     with _guard(part.forbid_modules, part.why):
         try:
             ns, load_error = types.SimpleNamespace(**cloudpickle.loads(job["payload"])), None
         except Exception as exc:
             ns, load_error = None, error_info(exc, files)
-        cases, broken, verdict_known = [], False, False
+        cases, broken, settled = [], False, False
         for case in job["cases"]:
-            if verdict_known:          # every rank knows it (the all-reduce below): no groups, no waits
+            if settled:                # a hunt's test failed on the correct implementation: its verdict is known
                 cases.append(None)
                 continue
             groups = [(r, distributed.new_group(r, timeout_s=group_timeout)) for r in layout(case["ranks"], d.world_size)]
@@ -161,22 +245,18 @@ def run_job(job: dict, d: distributed.Dist, group_timeout: float) -> tuple[dict,
             dist.all_reduce(failed, op=dist.ReduceOp.MAX)     # wait for every group; did any rank fail?
             broken = broken or bool(failed.item())
             cases.append(outcome)
-            # A test that fails on a correct implementation has its verdict: the buggy cases after it
-            # would each wait out the group timeout for nothing (a failed rank leaves its peers waiting).
-            verdict_known = bool(failed.item()) and part.kind == "hunt" and \
-                not part.implementations[case["impl"]].buggy
+            settled = bool(failed.item()) and part.kind == "hunt" and not part.implementations[case["impl"]].buggy
     return {"cases": cases}, broken
 
 
 def run_jobs(jobs: list[dict], group_timeout: float) -> None:
-    """On each pool rank: every job's cases; each job's outcomes reported as soon as they are known."""
+    """On each pool rank: every job's cases, each job's outcomes reported as soon as they are known."""
     broken = False
     with distributed.setup(timeout_s=group_timeout + 20.0) as d:
         for job in jobs:
             result, failed = run_job(job, d, group_timeout)
             ranks.report(result)
             broken = broken or failed
-        if broken:                 # a group may hold a send that no one will receive: leave without teardown
-            sys.stdout.flush()
-            sys.stderr.flush()
+        if broken:                 # a group may hold a send no one will receive: leave without teardown
+            sys.stdout.flush(), sys.stderr.flush()
             os._exit(0)
