@@ -212,7 +212,8 @@ def test_a_rank_that_never_joins_a_collective_is_named_after_the_timeout(tmp_pat
 # ------------------------------------------------------------------ 3. interrupting the cell
 
 INTERRUPTED_CELL = """
-import sys
+import faulthandler, signal, sys
+faulthandler.register(signal.SIGUSR1)      # the test asks for every thread's stack if this hangs
 from intralayer import launch
 launch.run({program!r}, 2, args=["hang", {token!r}], timeout=300, env={env!r})
 """
@@ -237,7 +238,14 @@ def test_interrupting_a_launch_stops_every_rank(tmp_path):
             time.sleep(0.5)                          # let the watcher record torchrun too
             sent = time.monotonic()
             cell.send_signal(signal.SIGINT)
-            out, err = cell.communicate(timeout=30)
+            try:
+                out, err = cell.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                cell.send_signal(signal.SIGUSR1)     # where it hangs, for the failure message
+                time.sleep(2)
+                cell.kill()
+                out, err = cell.communicate()
+                pytest.fail(f"the interrupted launch had not returned after 30 s; its stacks and stderr:\n{err[-6000:]}")
             took = time.monotonic() - sent
         finally:
             if cell.poll() is None:
