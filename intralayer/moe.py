@@ -348,22 +348,29 @@ def sigmoid_route(logits: torch.Tensor, k: int, bias: torch.Tensor | None = None
 
 
 def gshard_top2_route(logits: torch.Tensor, capacity_factor: float,
-                      generator: torch.Generator | None = None) -> tuple[Route, torch.Tensor]:
-    """GShard's top-2 gating in full (Lepikhin et al. 2021, Algorithm 1, one group).
+                      generator: torch.Generator | None = None,
+                      declined_take_a_slot: bool = False) -> tuple[Route, torch.Tensor]:
+    """GShard's top-2 gating with its random second expert (Lepikhin et al. 2021, Algorithm 1,
+    one group).
 
     Gates ``g = softmax(logits)``; each token's two best, normalised over the two:
     ``g1/(g1+g2)`` and ``g2/(g1+g2)`` (the softmax of the two chosen logits, as
     :func:`topk_route` computes). The first choice is always dispatched; the second only when
     ``2·g2 > rnd``, ``rnd`` uniform in [0, 1) — with probability ``2·g2`` (≤ 1, since g2 ≤ ½),
     "proportional to its weight". The queues are served as in :func:`topk_route`: every
-    first choice in token order, then the second choices the draw kept; an expert takes at
-    most ``capacity(T, E, 2, capacity_factor)``. (Here a second choice the draw turned down
-    takes no place in its expert's queue; Algorithm 1 as printed advances the counter
-    ``c_e2`` either way, so there it would still use up a slot.)
+    first choice in token order, then the second choices; an expert takes at most
+    ``capacity(T, E, 2, capacity_factor)``.
+
+    Where the two rules differ is a second choice the draw turns down. By default it takes no
+    place in its expert's queue: the slot stays free for a later token. Algorithm 1 as printed
+    advances the expert's counter (the paper's ``c_e2``) for every second choice, dispatched or
+    not, so there a declined second choice still uses up a place; ``declined_take_a_slot=True``
+    follows the printed algorithm. With the same ``generator`` both draw the same ``rnd``.
 
     Returns ``(route, sampled)``: ``route.kept`` is dispatched *and* within capacity, so
     ``route.dropped`` counts both the draw's refusals and capacity's; ``sampled`` (T,) says
-    which second choices the draw kept. GShard's balance statistic counts first choices only:
+    which second choices the draw kept; ``route.counts`` counts the dispatched assignments.
+    GShard's balance statistic counts first choices only:
     ``balance_loss(route.probs, torch.bincount(route.expert_index[:, 0], minlength=E))``.
     """
     logits = torch.as_tensor(logits)
@@ -373,6 +380,8 @@ def gshard_top2_route(logits: torch.Tensor, capacity_factor: float,
     T, E = logits.shape
     if E < 2:
         raise ValueError(f"gshard_top2_route needs at least 2 experts, got {E}")
+    if not isinstance(declined_take_a_slot, bool):
+        raise ValueError(f"gshard_top2_route: declined_take_a_slot must be True or False, got {declined_take_a_slot!r}")
     cap = capacity(T, E, 2, capacity_factor)
     gates = torch.softmax(logits, dim=-1)                                        # (T, E)
     top = gates.topk(2, dim=-1)
@@ -381,8 +390,9 @@ def gshard_top2_route(logits: torch.Tensor, capacity_factor: float,
     rnd = torch.rand(T, generator=generator, dtype=torch.float64).to(weights.device)
     sampled = 2 * weights[:, 1].detach().double() > rnd                          # (T,)
     wanted = torch.stack([torch.ones_like(sampled), sampled], dim=1)             # (T, 2)
+    queued = torch.ones_like(wanted) if declined_take_a_slot else wanted         # who advances a counter
     order = expert_index.T.reshape(-1)                                           # choice-major
-    onehot = F.one_hot(order, E) * wanted.T.reshape(-1, 1)                       # only wanted ones queue
+    onehot = F.one_hot(order, E) * queued.T.reshape(-1, 1)
     position = ((onehot.cumsum(0) - 1) * onehot).sum(-1)
     kept = (wanted.T.reshape(-1) & (position < cap)).reshape(2, T).T
     counts = torch.bincount(expert_index[wanted], minlength=E)                   # dispatched, before capacity
@@ -395,9 +405,12 @@ def balance_loss(probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     ``probs[:, i]`` over the T tokens. 1 when both are uniform.
 
     The counts set the scope. This micro-batch's (``torch.bincount`` of its routing) gives
-    :func:`switch_balance_loss` — Megatron-Core's ``"aux_loss"``; counts summed over the global
-    batch (every micro-batch and data-parallel rank of a step), with this micro-batch's
-    ``probs``, give its ``"global_aux_loss"``. ``probs`` is the router's softmax, or for a
+    :func:`switch_balance_loss` — Megatron-Core's ``"aux_loss"``. Counts from more tokens than
+    ``probs`` covers balance a wider scope: Megatron-Core's ``"global_aux_loss"`` passes, for the
+    j-th micro-batch of a step, the counts summed over its tensor-, data- and context-parallel
+    ranks and averaged over micro-batches 1 … j so far (a running mean, reset every step), with
+    this micro-batch's ``probs``; only the step's last micro-batch sees the whole global batch's
+    counts (scaling the counts does not change ``f``). ``probs`` is the router's softmax, or for a
     sigmoid router its affinities normalised per token (DeepSeek-V3's ``s'``,
     :attr:`Route.probs` of :func:`sigmoid_route`). Differentiable in ``probs``.
     """
@@ -459,14 +472,17 @@ def grouped_swiglu(x: torch.Tensor, sizes, w1: torch.Tensor, w3: torch.Tensor, w
 
     - ``"loop"``: one product per expert and matrix, 3E calls — the naive form, Megatron-Core's
       ``SequentialMLP``;
-    - ``"padded"``: each expert's rows copied into an (E, M, h) buffer, M = ``pad_to`` (by
-      default the largest of ``sizes``), zero rows below; three ``torch.bmm`` calls for all
+    - ``"padded"``: each expert's rows copied into an (E, n_max, h) buffer, n_max = ``pad_to``
+      (by default the largest of ``sizes``), zero rows below; three ``torch.bmm`` calls for all
       experts. Padding to the capacity C is the static-shape layout of GShard and Switch;
       the padding rows are computed and thrown away (:func:`padded_rows` counts them);
     - ``"grouped_mm"``: ``torch.nn.functional.grouped_mm`` with the per-expert row offsets,
-      three calls, no padding — the grouped GEMM of dropless MoE (Megatron-Core's
+      three calls, no padding rows here — the grouped GEMM of dropless MoE (Megatron-Core's
       ``moe_grouped_gemm``, MegaBlocks' ``mlp_impl="grouped"``, torchtitan's
-      ``GroupedExperts``). It takes float32, bfloat16 or float16 (not float64), with rows of
+      ``GroupedExperts``). GPU kernels may still round each expert's rows up to a tile: DeepGEMM
+      aligns every expert's segment to its block of rows, and Megatron-Core pads each to 16 rows
+      for FP8 (32 for MXFP8, 256 on Transformer Engine's grouped-tensor path) — a few rows per
+      expert, not a capacity. It takes float32, bfloat16 or float16 (not float64), with rows of
       16-byte multiples (``h`` and ``f`` times the element size); on CPU, torch 2.13 runs it as
       a loop of ``mm`` over the groups (ATen's ``_grouped_mm_fallback``).
 
@@ -491,14 +507,14 @@ def grouped_swiglu(x: torch.Tensor, sizes, w1: torch.Tensor, w3: torch.Tensor, w
                  for rows, a, b, c in zip(x.split(sizes), w1.unbind(), w3.unbind(), w2.unbind())]
         return torch.cat(parts) if parts else x.new_zeros(0, h)
     if impl == "padded":
-        M = max(sizes, default=0) if pad_to is None else _whole(pad_to, "pad_to (rows per expert)", minimum=0)
-        if M < max(sizes, default=0):
-            raise ValueError(f"grouped_swiglu: pad_to={M} is fewer rows than the busiest expert's {max(sizes)}")
+        n_max = max(sizes, default=0) if pad_to is None else _whole(pad_to, "pad_to (rows per expert)", minimum=0)
+        if n_max < max(sizes, default=0):
+            raise ValueError(f"grouped_swiglu: pad_to={n_max} is fewer rows than the busiest expert's {max(sizes)}")
         counts = torch.tensor(sizes, device=x.device)
         expert = torch.repeat_interleave(torch.arange(E, device=x.device), counts)        # (A,)
         start = torch.cumsum(counts, 0) - counts
         row = torch.arange(x.shape[0], device=x.device) - start[expert]                   # place within its expert
-        buf = x.new_zeros(E, M, h).index_put((expert, row), x)                             # (E, M, h)
+        buf = x.new_zeros(E, n_max, h).index_put((expert, row), x)                         # (E, n_max, h)
         hidden = F.silu(torch.bmm(buf, w1.transpose(1, 2))) * torch.bmm(buf, w3.transpose(1, 2))
         return torch.bmm(hidden, w2.transpose(1, 2))[expert, row]                        # (A, h)
     # grouped_mm
@@ -529,8 +545,8 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def padded_rows(sizes, pad_to: int | None = None) -> int:
-    """Rows the ``"padded"`` layout multiplies: E · M, M = ``pad_to`` or the largest of ``sizes``
-    (against ``sum(sizes)`` rows of real work)."""
+    """Rows the ``"padded"`` layout multiplies: E · n_max, n_max = ``pad_to`` or the largest of
+    ``sizes`` (against ``sum(sizes)`` rows of real work)."""
     sizes = [int(n) for n in sizes]
     return len(sizes) * (max(sizes, default=0) if pad_to is None else int(pad_to))
 

@@ -13,13 +13,13 @@ backward pass; a weight's gradient is this rank's own (no reduction across the g
 ``schedule`` chooses how (every one gives the unfused result, forward and backward):
 
 - ``"ring"`` (the default): Wang et al.'s decomposition (ASPLOS 2023). The all-gather
-  becomes P−1 point-to-point steps round a ring: a rank multiplies the shard it holds
+  becomes t−1 point-to-point steps round a ring: a rank multiplies the shard it holds
   while it passes that shard on and receives the next, starting with its own shard, so
   no transfer is exposed when each multiply lasts as long as a transfer. The
   reduce-scatter side passes partial sums round the ring: a rank computes its partial
   product for the next destination while the running sum travels.
 - ``"bidirectional"``: the same with shards (and partial sums) travelling both ways
-  round the ring at once, ⌊P/2⌋ steps instead of P−1; whether that also halves the bytes
+  round the ring at once, ⌊t/2⌋ steps instead of t−1; whether that also halves the bytes
   each step waits for depends on whether the two directions have links of their own
   (:func:`model_times`).
 - ``"chunked"``: the input cut into ``chunks`` pieces, one collective (all-gather or
@@ -58,31 +58,31 @@ SCHEDULES = ("ring", "bidirectional", "chunked", "sequential")
 
 # ---------------------------------------------------------------------------- the ring's plan
 
-def ring_reach(P: int, bidirectional: bool) -> tuple[int, int]:
-    """How far shards travel each way round a ring of ``P`` ranks: ``(forward, backward)``.
+def ring_reach(t: int, bidirectional: bool) -> tuple[int, int]:
+    """How far shards travel each way round a ring of ``t`` ranks: ``(forward, backward)``.
 
-    Forward is towards rank r+1, backward towards r−1; together they cover the P−1 other
-    ranks. One-way: ``(P−1, 0)``. Both ways: ``(⌈(P−1)/2⌉, ⌊(P−1)/2⌋)``, so the ring takes
-    ⌈(P−1)/2⌉ = ⌊P/2⌋ steps instead of P−1.
+    Forward is towards rank r+1, backward towards r−1; together they cover the t−1 other
+    ranks. One-way: ``(t−1, 0)``. Both ways: ``(⌈(t−1)/2⌉, ⌊(t−1)/2⌋)``, so the ring takes
+    ⌈(t−1)/2⌉ = ⌊t/2⌋ steps instead of t−1.
     """
-    _whole(P, "the ring's size", unit="ranks P")
+    _whole(t, "the ring's size", unit="ranks t")
     if not bidirectional:
-        return P - 1, 0
-    return P // 2, (P - 1) // 2
+        return t - 1, 0
+    return t // 2, (t - 1) // 2
 
 
-def ring_order(P: int, r: int, bidirectional: bool = False) -> list[list[int]]:
+def ring_order(t: int, r: int, bidirectional: bool = False) -> list[list[int]]:
     """The shards rank ``r`` multiplies at each step of the ring all-gather matmul.
 
     Step 0 is its own shard; at step s it holds the shard of rank r−s (arrived from r−1)
     and, both ways, also that of rank r+s (arrived from r+1) while the other direction
     still has that far to go.
     """
-    forward, backward = ring_reach(P, bidirectional)
-    r = rules.index(r, "rank r=", P, f"the P={P} ranks of the ring")
+    forward, backward = ring_reach(t, bidirectional)
+    r = rules.index(r, "rank r=", t, f"the t={t} ranks of the ring")
     steps = [[r]]
     for s in range(1, forward + 1):
-        steps.append([(r - s) % P] + ([(r + s) % P] if s <= backward else []))
+        steps.append([(r - s) % t] + ([(r + s) % t] if s <= backward else []))
     return steps
 
 
@@ -131,12 +131,12 @@ def _ring_gather_linear(x_shard, weight, group, chunks, dim, bidirectional, phas
 
     Each piece is passed on as soon as it has arrived, then multiplied while it travels.
     """
-    P, r = dist.get_world_size(group), dist.get_rank(group)
+    t, r = dist.get_world_size(group), dist.get_rank(group)
     n = x_shard.shape[dim]
     c = _rows_per_chunk(n, chunks, dim, "allgather_matmul")
-    out = x_shard.new_empty((*x_shard.shape[:dim], P * n, *x_shard.shape[dim + 1:-1], weight.shape[0]))
-    full = x_shard.new_empty((*x_shard.shape[:dim], P * n, *x_shard.shape[dim + 1:]))
-    reach = dict(zip((1, -1), ring_reach(P, bidirectional)))       # direction → steps it travels
+    out = x_shard.new_empty((*x_shard.shape[:dim], t * n, *x_shard.shape[dim + 1:-1], weight.shape[0]))
+    full = x_shard.new_empty((*x_shard.shape[:dim], t * n, *x_shard.shape[dim + 1:]))
+    reach = dict(zip((1, -1), ring_reach(t, bidirectional)))       # direction → steps it travels
     pending = {}
 
     def send_on(d, j, piece, s):
@@ -163,7 +163,7 @@ def _ring_gather_linear(x_shard, weight, group, chunks, dim, bidirectional, phas
                     piece = pending.pop((d, j)).wait()[0]
                 if s < reach[d]:
                     send_on(d, j, piece, s)                                     # pass it on first
-                multiply((r - d * s) % P, j, piece, s, came)
+                multiply((r - d * s) % t, j, piece, s, came)
     return out, full
 
 
@@ -174,17 +174,17 @@ def _ring_linear_scatter(x, weight, group, chunks, dim, bidirectional, phase, la
     backward from q + reach; at each step a rank computes its partial product for the sum
     it will receive next, then waits for that sum, adds, and passes it on.
     """
-    P, r = dist.get_world_size(group), dist.get_rank(group)
+    t, r = dist.get_world_size(group), dist.get_rank(group)
     total = x.shape[dim]
-    if total % P:
+    if total % t:
         raise ValueError(f"matmul_reduce_scatter: {total} rows along dim {dim} do not split into "
-                         f"{P} ranks × {chunks} chunks")
-    n = total // P
+                         f"{t} ranks × {chunks} chunks")
+    n = total // t
     if n % chunks:
         raise ValueError(f"matmul_reduce_scatter: {total} rows along dim {dim} do not split into "
-                         f"{P} ranks × {chunks} chunks")
+                         f"{t} ranks × {chunks} chunks")
     c = n // chunks
-    reach = dict(zip((1, -1), ring_reach(P, bidirectional)))
+    reach = dict(zip((1, -1), ring_reach(t, bidirectional)))
     steps = reach[1]
     pending, result = {}, [None] * chunks
 
@@ -209,7 +209,7 @@ def _ring_linear_scatter(x, weight, group, chunks, dim, bidirectional, phase, la
             for d in (1, -1):
                 if left > reach[d]:
                     continue                                                    # this direction starts later
-                acc = partial((r + d * left) % P, j, s, f" to r{'+' if d == 1 else '-'}1")
+                acc = partial((r + d * left) % t, j, s, f" to r{'+' if d == 1 else '-'}1")
                 if left < reach[d]:
                     acc = acc + arrived(d, j, s)
                 pending[d, j] = comm.ring_exchange_start([acc], d, group, f"{label} step {s + 1} piece {j}", phase)
@@ -220,20 +220,20 @@ def _ring_linear_scatter(x, weight, group, chunks, dim, bidirectional, phase, la
 
 def _chunked_gather_linear(x_shard, weight, group, chunks, dim, overlap, phase, label):
     """all_gather(x_shard, dim) @ weight.T, one all-gather per chunk; returns (output, gathered input)."""
-    P = dist.get_world_size(group)
+    t = dist.get_world_size(group)
     n = x_shard.shape[dim]
     c = _rows_per_chunk(n, chunks, dim, "allgather_matmul")
     pieces = x_shard.split(c, dim=dim)
-    out = x_shard.new_empty((*x_shard.shape[:dim], P * n, *x_shard.shape[dim + 1:-1], weight.shape[0]))
-    full = x_shard.new_empty((*x_shard.shape[:dim], P * n, *x_shard.shape[dim + 1:]))
+    out = x_shard.new_empty((*x_shard.shape[:dim], t * n, *x_shard.shape[dim + 1:-1], weight.shape[0]))
+    full = x_shard.new_empty((*x_shard.shape[:dim], t * n, *x_shard.shape[dim + 1:]))
     pending = comm.all_gather_start(pieces[0], dim, group, f"{label} chunk 0", phase)
     for i in range(chunks):
         with record_function(f"wait: {label} chunk {i}"):
-            got = pending.wait()[0]                                             # (…, P·c, …): rank-major
+            got = pending.wait()[0]                                             # (…, t·c, …): rank-major
         if i + 1 < chunks and overlap:                                          # the next one travels meanwhile
             pending = comm.all_gather_start(pieces[i + 1], dim, group, f"{label} chunk {i + 1}", phase)
         with record_function(f"compute: {label} chunk {i}"):
-            y = F.linear(got, weight)                                           # (…, P·c, …, out)
+            y = F.linear(got, weight)                                           # (…, t·c, …, out)
             for j, (yj, xj) in enumerate(zip(y.split(c, dim=dim), got.split(c, dim=dim))):
                 rows = j * n + i * c                                            # rank j's chunk i
                 out.narrow(dim, rows, c).copy_(yj)
@@ -245,18 +245,18 @@ def _chunked_gather_linear(x_shard, weight, group, chunks, dim, overlap, phase, 
 
 def _chunked_linear_scatter(x, weight, group, chunks, dim, overlap, phase, label):
     """reduce_scatter(x @ weight.T, dim), one reduce-scatter per chunk."""
-    P = dist.get_world_size(group)
+    t = dist.get_world_size(group)
     total = x.shape[dim]
-    if total % (P * chunks):
+    if total % (t * chunks):
         raise ValueError(f"matmul_reduce_scatter: {total} rows along dim {dim} do not split into "
-                         f"{P} ranks × {chunks} chunks")
-    n = total // P                                                              # this rank's rows
+                         f"{t} ranks × {chunks} chunks")
+    n = total // t                                                              # this rank's rows
     c = n // chunks
-    blocks = x.split(n, dim=dim)                                                # P destination blocks
+    blocks = x.split(n, dim=dim)                                                # t destination blocks
     outs, pending = [], None
     for i in range(chunks):
         with record_function(f"compute: {label} chunk {i}"):
-            part = torch.cat([F.linear(b.narrow(dim, i * c, c), weight) for b in blocks], dim=dim)  # (…, P·c, …)
+            part = torch.cat([F.linear(b.narrow(dim, i * c, c), weight) for b in blocks], dim=dim)  # (…, t·c, …)
         if pending is not None:
             with record_function(f"wait: {label} chunk {i - 1}"):
                 outs.append(pending.wait()[0])

@@ -989,9 +989,10 @@ def test_sigmoid_route_chooses_as_the_logits_do_without_a_bias():
         moe.sigmoid_route(logits, 2, bias=torch.zeros(15))
 
 
-def gshard_by_hand(logits, cf, rnd):
-    """Algorithm 1 of GShard (one group), with the draw ``rnd`` given, as a plain loop; a second
-    choice the draw turns down takes no place in the queue."""
+def gshard_by_hand(logits, cf, rnd, declined_take_a_slot=False):
+    """Algorithm 1 of GShard (one group), with the draw ``rnd`` given, as a plain loop. A second
+    choice the draw turns down takes no place in the queue, unless ``declined_take_a_slot``:
+    then, as Algorithm 1 is printed, the expert's counter c_e2 advances for it all the same."""
     T, E = logits.shape
     gates = torch.softmax(logits, -1)
     cap = moe.capacity(T, E, 2, cf)
@@ -1006,9 +1007,10 @@ def gshard_by_hand(logits, cf, rnd):
     for t in range(T):                                                   # second choices, drawn
         g1, g2 = (float(v) for v in top[t].values)
         e2 = int(top[t].indices[1])
-        if 2 * g2 / (g1 + g2) > rnd[t]:
-            if count[e2] < cap:
-                kept[t, 1] = True
+        drawn = 2 * g2 / (g1 + g2) > rnd[t]
+        if drawn and count[e2] < cap:
+            kept[t, 1] = True
+        if drawn or declined_take_a_slot:
             count[e2] += 1
     return kept
 
@@ -1027,6 +1029,30 @@ def test_gshard_top2_route_follows_algorithm_1(T, E, cf, seed):
     assert torch.equal(r.kept[:, 1] & ~sampled, torch.zeros(T, dtype=torch.bool))
     assert (r.kept_counts <= r.capacity).all()
     assert int(r.counts.sum()) == T + int(sampled.sum())
+    printed, sampled_p = moe.gshard_top2_route(logits, cf, generator=torch.Generator().manual_seed(seed + 100),
+                                               declined_take_a_slot=True)
+    assert torch.equal(sampled_p, sampled)                               # the same draw
+    assert torch.equal(printed.kept, gshard_by_hand(logits, cf, rnd, declined_take_a_slot=True))
+    assert torch.equal(printed.kept[:, 0], r.kept[:, 0])                 # first choices: the same queue
+    assert not (printed.kept & ~r.kept).any()                            # a held slot only ever drops more
+
+
+def test_gshard_printed_rule_differs_where_a_declined_choice_holds_a_slot():
+    # Capacity 1 per expert. Token 0's second choice, expert 1, has 2·g2 ≈ 0.013 and the draw
+    # declines it; token 1's second choice is expert 1 too, with 2·g2 ≈ 0.995, and is drawn.
+    # Freed (the default), token 1 takes expert 1's one place; held (Algorithm 1 as printed), the
+    # declined choice already advanced expert 1's counter, and token 1's is dropped.
+    logits = torch.tensor([[5.0, 0.0, -9.0, -9.0], [-9.0, 4.99, 5.0, -9.0]], dtype=torch.float64)
+    rnd = torch.rand(2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    freed, s_f = moe.gshard_top2_route(logits, 1.0, generator=torch.Generator().manual_seed(0))
+    held, s_h = moe.gshard_top2_route(logits, 1.0, generator=torch.Generator().manual_seed(0),
+                                      declined_take_a_slot=True)
+    assert freed.capacity == 1 and float(2 * freed.weights[0, 1]) < rnd[0] and float(2 * freed.weights[1, 1]) > rnd[1]
+    assert torch.equal(s_f, s_h) and s_f.tolist() == [False, True]
+    assert freed.kept.tolist() == [[True, False], [True, True]]
+    assert held.kept.tolist() == [[True, False], [True, False]]
+    with pytest.raises(ValueError, match="declined_take_a_slot"):
+        moe.gshard_top2_route(logits, 1.0, declined_take_a_slot=1)
 
 
 def test_gshard_dispatches_the_second_expert_with_probability_2_g2():

@@ -46,24 +46,24 @@ def test_collective_matmuls_match_unfused_on_real_ranks(on_ranks, nproc, check):
 
 # ------------------------------------------------------------------ (b) the ring's plan
 
-@pytest.mark.parametrize("P", range(1, 10))
+@pytest.mark.parametrize("t", range(1, 10))
 @pytest.mark.parametrize("bidirectional", [False, True])
-def test_every_rank_multiplies_every_shard_once(P, bidirectional):
-    forward, backward = overlap.ring_reach(P, bidirectional)
-    assert forward + backward == P - 1 and forward >= backward >= 0
-    for r in range(P):
-        order = overlap.ring_order(P, r, bidirectional)
+def test_every_rank_multiplies_every_shard_once(t, bidirectional):
+    forward, backward = overlap.ring_reach(t, bidirectional)
+    assert forward + backward == t - 1 and forward >= backward >= 0
+    for r in range(t):
+        order = overlap.ring_order(t, r, bidirectional)
         assert len(order) == forward + 1 and order[0] == [r]
-        assert sorted(sum(order, [])) == list(range(P))
+        assert sorted(sum(order, [])) == list(range(t))
         for s, shards in enumerate(order[1:], start=1):
-            assert shards[0] == (r - s) % P                      # from r−1: rank r−s's shard
-            assert shards[1:] == ([(r + s) % P] if s <= backward else [])
+            assert shards[0] == (r - s) % t                      # from r−1: rank r−s's shard
+            assert shards[1:] == ([(r + s) % t] if s <= backward else [])
 
 
-@pytest.mark.parametrize("P, steps", [(2, 1), (3, 1), (4, 2), (5, 2), (8, 4), (9, 4)])
-def test_both_ways_the_ring_takes_half_the_steps(P, steps):
-    assert overlap.ring_reach(P, True)[0] == steps == P // 2
-    assert overlap.ring_reach(P, False) == (P - 1, 0)
+@pytest.mark.parametrize("t, steps", [(2, 1), (3, 1), (4, 2), (5, 2), (8, 4), (9, 4)])
+def test_both_ways_the_ring_takes_half_the_steps(t, steps):
+    assert overlap.ring_reach(t, True)[0] == steps == t // 2
+    assert overlap.ring_reach(t, False) == (t - 1, 0)
 
 
 def test_ring_order_is_the_chapters_example():
@@ -71,7 +71,7 @@ def test_ring_order_is_the_chapters_example():
     assert overlap.ring_order(4, 1, bidirectional=True) == [[1], [0, 2], [3]]
 
 
-@pytest.mark.parametrize("args, words", [((0, False), "P ≥ 1, got 0"), ((2.0, True), "got 2.0"),
+@pytest.mark.parametrize("args, words", [((0, False), "t ≥ 1, got 0"), ((2.0, True), "got 2.0"),
                                          ((True, False), "got True")])
 def test_ring_reach_rejects_bad_sizes(args, words):
     with pytest.raises(ValueError, match=words):
@@ -107,7 +107,7 @@ def randn(*shape, seed, dtype=torch.float32):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("shape, dim", [((6, 5), 0), ((3, 2, 5), 0), ((2, 3, 5), 1), ((2, 2, 3, 5), -2)])
 def test_one_rank_is_a_plain_linear(solo_group, shape, dim, dtype, schedule):
-    """With P = 1 every schedule is F.linear, in pieces or not, forward and backward; nothing is sent."""
+    """With t = 1 every schedule is F.linear, in pieces or not, forward and backward; nothing is sent."""
     W = randn(7, 5, seed=1, dtype=dtype)
     up = randn(*shape[:-1], 7, seed=2, dtype=dtype)
     rows = shape[dim]
