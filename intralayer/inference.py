@@ -16,6 +16,13 @@ The pieces of chapter 09 (issue 29), built on chapters 02 and 04's modules:
   them (b·v numbers per step) before the argmax, so that every rank picks the same token.
 - :func:`greedy_reference` decodes without a cache, re-running the whole sequence each
   step: the model's own ``forward``, the twin every cached decode is checked against.
+
+And the arithmetic of serving: :func:`decode_all_reduces` and :func:`allreduce_time` (ring, one-shot and
+two-shot all-reduces in the α–β model, :func:`one_shot_crossover` between the last two);
+:func:`ring_pass_bytes` and :func:`pass_q_threshold` for the two context-parallel rings over a KV cache;
+:func:`serve_plan`, one tensor-parallel replica's memory and decode step on chapter 08's clusters, and
+:func:`serve_search`, the best batch per t within a time per token. Context-parallel prefill and decode and
+MoE serving with data-parallel attention are :mod:`intralayer.serving`.
 """
 from __future__ import annotations
 
@@ -25,7 +32,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import comm
+from . import comm, rules
+from .collectives import NCCL_BASE_US
 from .model import TinyGPT
 from .tensor_parallel import ParallelGPT, QKVParallelLinear
 
@@ -84,15 +92,19 @@ def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int = 1, t
     return 2 * layers * max(kv_heads // t, 1) * head_dim * itemsize * tokens
 
 
-def _head_dim(attn: nn.Module) -> int:
+def attn_head_dim(attn: nn.Module) -> int:
+    """The head dimension d of an attention module (dense or tensor-parallel)."""
+    if not hasattr(attn, "qkv") or not hasattr(attn, "heads"):
+        raise ValueError(f"attn_head_dim needs an attention module with qkv and heads, got {type(attn).__name__}")
     return getattr(attn, "head_dim", None) or attn.proj.in_features // attn.heads
 
 
-def _project(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def project_qkv(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This module's queries (n, b, heads·d) and keys and values (n, b, kv·d) for the new tokens."""
+    rules.check_tensor(x, "x", "project_qkv", dims=3, layout="(n, b, h)")
     if isinstance(attn.qkv, QKVParallelLinear):
         return attn.query_key_value(attn.qkv(x))                   # chapter 02's per-group layout
-    d = _head_dim(attn)
+    d = attn_head_dim(attn)
     return attn.qkv(x).split([attn.heads * d, attn.kv_heads * d, attn.kv_heads * d], dim=-1)
 
 
@@ -101,16 +113,16 @@ def new_caches(model: nn.Module, b: int, s_max: int) -> list[KVCache]:
     caches = []
     for block in model.blocks:
         attn = block.attn
-        caches.append(KVCache.empty(b, attn.kv_heads, s_max, _head_dim(attn), attn.qkv.weight.dtype,
+        caches.append(KVCache.empty(b, attn.kv_heads, s_max, attn_head_dim(attn), attn.qkv.weight.dtype,
                                     attn.qkv.weight.device))
     return caches
 
 
-def _attend(attn: nn.Module, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+def attend_cached(attn: nn.Module, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Causal attention of the n new tokens over every cached position, then the output projection."""
     n, b = x.shape[:2]
-    d, heads, kv = _head_dim(attn), attn.heads, attn.kv_heads
-    q, k, v = (part.reshape(n, b, -1, d).permute(1, 2, 0, 3) for part in _project(attn, x))   # (b, ·, n, d)
+    d, heads, kv = attn_head_dim(attn), attn.heads, attn.kv_heads
+    q, k, v = (part.reshape(n, b, -1, d).permute(1, 2, 0, 3) for part in project_qkv(attn, x))   # (b, ·, n, d)
     start = cache.length
     keys, values = cache.append(k, v)                                # (b, kv, start + n, d)
     keys, values = (c.repeat_interleave(heads // kv, dim=1) for c in (keys, values))
@@ -133,7 +145,7 @@ def forward_cached(model: nn.Module, ids: torch.Tensor, caches: list[KVCache]) -
         raise ValueError(f"forward_cached: {len(caches)} caches for {len(model.blocks)} blocks (one per block)")
     x = model.embed(ids)                                             # (n, b, h); TP: the embedding's all-reduce
     for block, cache in zip(model.blocks, caches):
-        x = x + _attend(block.attn, block.ln1(x), cache)
+        x = x + attend_cached(block.attn, block.ln1(x), cache)
         x = x + block.mlp(block.ln2(x))                              # TP: fc2's all-reduce
     return model.head(model.ln_f(x))
 
@@ -249,14 +261,18 @@ def one_shot_crossover(n: int, bandwidth: float, alpha: float) -> float:
 # ---------------------------------------------------------------------------- prefill under context parallelism
 
 def ring_pass_bytes(variant: str, new: int, cached: int, heads: int, kv_heads: int, head_dim: int, P: int,
-                    itemsize: int = 2) -> int:
-    """Bytes one rank sends, per layer, in a context-parallel ring over P ranks that attends ``new`` tokens
-    (split over the ranks) against ``cached + new`` keys and values (the cached ones already spread over them).
+                    itemsize: int = 2, lse: bool = False, partial_itemsize: int | None = None) -> int:
+    """Bytes one rank sends, per layer and sequence, in a context-parallel ring over P ranks that attends
+    ``new`` tokens (split over the ranks) against ``cached + new`` keys and values (the cached ones already
+    spread over them); the mean over the ranks when their shares differ.
 
     - ``pass-KV``: every rank's keys and values travel round the ring, P−1 hops of its share:
       ``(P−1)/P · 2·(cached + new)·a_kv·d·e``.
-    - ``pass-Q``: the queries travel instead, and each rank's partial outputs (and their log-sum-exps, ignored
-      here) must come back to the query's owner: ``(P−1)/P · 2·new·a·d·e``.
+    - ``pass-Q``: the queries travel instead, and each rank's partial outputs must come back to the query's
+      owner: ``(P−1)/P · 2·new·a·d·e``. With ``lse`` the partial outputs' log-sum-exps are counted too (one
+      number per query and head), and ``partial_itemsize`` is the bytes of a partial output's number when it
+      travels wider than the queries (:mod:`intralayer.serving` sends float32):
+      ``(P−1)/P · new·a·(d·e + (d + 1)·e_p)``.
 
     The course's count of the two rings' bytes (chapter 04's ring, GQA's a_kv ≤ a).
     """
@@ -271,23 +287,48 @@ def ring_pass_bytes(variant: str, new: int, cached: int, heads: int, kv_heads: i
         raise ValueError(f"ring_pass_bytes: a = {heads} query heads must be a multiple of a_kv = {kv_heads}")
     if new % P or cached % P:
         raise ValueError(f"ring_pass_bytes: {new} new and {cached} cached tokens must split evenly over P = {P}")
+    partial = itemsize if partial_itemsize is None else partial_itemsize
+    _whole(partial, "partial_itemsize e_p", "ring_pass_bytes")
     if variant == "pass-KV":
         return (P - 1) * 2 * (cached + new) // P * kv_heads * head_dim * itemsize
-    return (P - 1) * 2 * new // P * heads * head_dim * itemsize
+    per_query = head_dim * itemsize + (head_dim + (1 if lse else 0)) * partial
+    return (P - 1) * new // P * heads * per_query
 
 
-def pass_q_threshold(heads: int, kv_heads: int) -> float:
-    """The share of new tokens, new / (new + cached), below which pass-Q sends fewer bytes than pass-KV:
-    ``new·a < (cached + new)·a_kv`` ⇔ ``new / (new + cached) < a_kv / a``."""
+def pass_q_threshold(heads: int, kv_heads: int, head_dim: int | None = None, itemsize: int = 2,
+                     lse: bool = False, partial_itemsize: int | None = None) -> float:
+    """The share of new tokens, new / (new + cached), below which pass-Q sends fewer bytes than pass-KV.
+
+    With the queries and partial outputs as wide as the keys and values (no ``head_dim``):
+    ``new·a < (cached + new)·a_kv`` ⇔ ``new / (new + cached) < a_kv / a``. With ``head_dim`` the count of
+    :func:`ring_pass_bytes` with the same ``lse`` and ``partial_itemsize``:
+    ``2·a_kv·d·e / (a·(d·e + (d + [lse])·e_p))``.
+    """
     _whole(heads, "heads a", "pass_q_threshold")
     _whole(kv_heads, "key/value heads a_kv", "pass_q_threshold")
-    return kv_heads / heads
+    if head_dim is None:
+        return kv_heads / heads
+    _whole(head_dim, "head dim d", "pass_q_threshold")
+    _whole(itemsize, "itemsize e", "pass_q_threshold")
+    partial = itemsize if partial_itemsize is None else partial_itemsize
+    _whole(partial, "partial_itemsize e_p", "pass_q_threshold")
+    return 2 * kv_heads * head_dim * itemsize / (heads * (head_dim * itemsize + (head_dim + bool(lse)) * partial))
 
 
 # ---------------------------------------------------------------------------- a small serving planner
 
 #: H100 SXM's HBM3 bandwidth, bytes/s (NVIDIA H100 datasheet: 3.35 TB/s).
 H100_HBM_BANDWIDTH = 3.35e12
+#: H200 SXM: 141 GB of HBM3e at 4.8 TB/s, with the H100's Hopper compute and 900 GB/s NVLink (NVIDIA H200
+#: product page). Chapter 08's planner has no H200 cluster; chapter 09 builds one from its H100 node and these.
+H200_MEMORY = 141e9
+H200_HBM_BANDWIDTH = 4.8e12
+
+
+#: The latency NCCL's tuning model charges every call of a ring collective once, on top of its steps, by protocol
+#: (src/graph/tuning.cc, ``baseLatencies``, the Ring row: LL 6.6, LL128 14.0, Simple 8.4 µs; the Simple entry is
+#: :data:`intralayer.collectives.NCCL_BASE_US`). :func:`serve_plan`'s ``call_latency`` takes one of these.
+NCCL_RING_BASE_US = {"LL": 6.6, "LL128": 14.0, "Simple": NCCL_BASE_US}
 
 
 @dataclass(frozen=True)
@@ -347,7 +388,8 @@ def kv_bytes(m, t: int, tokens: int = 1, itemsize: int = 2) -> int:
 
 
 def serve_plan(m, cluster, t: int, batch: int, context: int, prompt: int | None = None, itemsize: int = 2,
-               algorithm: str = "ring", alpha: float | None = None, hbm: float = H100_HBM_BANDWIDTH) -> ServePlan:
+               algorithm: str = "ring", alpha: float | None = None, hbm: float = H100_HBM_BANDWIDTH,
+               weight_itemsize: int | None = None, call_latency: float = 0.0) -> ServePlan:
     """A tensor-parallel replica of ``m`` on t GPUs of one NVLink node of ``cluster`` (chapter 08's
     :class:`~intralayer.planner.Cluster`, its kernel-efficiency curve and link bandwidth).
 
@@ -358,6 +400,16 @@ def serve_plan(m, cluster, t: int, batch: int, context: int, prompt: int | None 
       1.9 µs, NCCL's LL128 ring step over NVLink) and an all-gather of the b·v logits;
     - a prefill of ``prompt`` tokens (default ``context``) at batch 1: ``2·(active)·s + 2·s²·a·d·L`` FLOPs
       (causal), the same all-reduces of s·h·e.
+
+    ``itemsize`` is the bytes of a cached number and of an activation; ``weight_itemsize`` (default the same)
+    those of a weight, stored narrower than the activations, say 1 for 8-bit weights (the FLOPs are still
+    counted at the bf16 peak). ``call_latency`` (seconds, default 0) is added once to every collective call, the
+    decode step's and the prefill's: NCCL's per-call base latency (:data:`NCCL_RING_BASE_US`), which the α–β
+    model's per-step α leaves out.
+
+    So the step is ``max((weights + cache)/hbm, FLOPs/(peak·η)) + (1 + 2L)·(T_all-reduce + call_latency) +
+    T_all-gather + call_latency``: reads and compute overlap each other, the collectives overlap nothing. Memory
+    counts the weights and the cache only: no activations, CUDA graphs, communication buffers or allocator slack.
     """
     from .collectives import NCCL_RING_NVLINK_STEP_US, collective_time
     from .planner import gemm_size, kernel_efficiency, params
@@ -371,7 +423,10 @@ def serve_plan(m, cluster, t: int, batch: int, context: int, prompt: int | None 
     prompt = context if prompt is None else prompt
     _whole(prompt, "prompt", "serve_plan")
     alpha = NCCL_RING_NVLINK_STEP_US["LL128"] * 1e-6 if alpha is None else alpha
-    weights = weight_bytes_per_gpu(m, t, itemsize)
+    weight_itemsize = itemsize if weight_itemsize is None else weight_itemsize
+    _whole(weight_itemsize, "weight_itemsize", "serve_plan")
+    _positive(call_latency, "call_latency (s)", "serve_plan", zero=True)
+    weights = weight_bytes_per_gpu(m, t, weight_itemsize)
     per_token = kv_bytes(m, t, 1, itemsize)
     kv = per_token * batch * context
     d = m.hidden // m.heads
@@ -381,9 +436,32 @@ def serve_plan(m, cluster, t: int, batch: int, context: int, prompt: int | None 
     B = cluster.intra
     ar = decode_all_reduces(m.layers)
     comm = 0.0 if t == 1 else (ar * allreduce_time(algorithm, t, batch * m.hidden * itemsize, B, alpha)
-                               + collective_time("all_gather", t, batch * m.vocab * itemsize, B, alpha))
+                               + collective_time("all_gather", t, batch * m.vocab * itemsize, B, alpha)
+                               + (ar + 1) * call_latency)
     flops_prefill = (2 * active * prompt + 2 * prompt ** 2 * m.heads * d * m.layers) / t
-    prefill_comm = 0.0 if t == 1 else ar * allreduce_time(algorithm, t, prompt * m.hidden * itemsize, B, alpha)
+    prefill_comm = 0.0 if t == 1 else ar * (allreduce_time(algorithm, t, prompt * m.hidden * itemsize, B, alpha)
+                                            + call_latency)
     prefill = max(flops_prefill / (cluster.peak * eta), weights / hbm) + prefill_comm
     return ServePlan(m.name, t, batch, context, weights, kv, cluster.memory, per_token, (weights + kv) / hbm,
                      flops_step / (cluster.peak * eta), comm, prefill, prefill_comm)
+
+
+#: The batch sizes :func:`serve_search` tries.
+SERVE_BATCHES = tuple(2 ** i for i in range(11))
+
+
+def serve_search(m, cluster, context: int, latency: float, ts=(1, 2, 4, 8), batches=SERVE_BATCHES,
+                 **kw) -> dict[int, ServePlan | None]:
+    """For each tensor-parallel degree t of ``ts``, the :func:`serve_plan` with the most tokens/s per GPU
+    among the ``batches`` whose cache fits beside the weights at ``context`` tokens and whose decode step takes
+    at most ``latency`` seconds; None where no batch does. ``kw`` goes to :func:`serve_plan`."""
+    _whole(context, "context", "serve_search")
+    _positive(latency, "latency (s)", "serve_search")
+    if not ts or not batches:
+        raise ValueError("serve_search needs at least one t and one batch size")
+    best: dict[int, ServePlan | None] = {}
+    for t in ts:
+        ok = [p for p in (serve_plan(m, cluster, t, b, context, **kw) for b in batches)
+              if p.fits and p.step <= latency]
+        best[t] = max(ok, key=lambda p: p.tokens_per_s_per_gpu, default=None)
+    return best

@@ -29,6 +29,7 @@ PROGRAMS = [
     ("intralayer.programs.cp_tp", [], 4),
     ("intralayer.programs.ep_moe", [], None),
     ("intralayer.programs.inference_decode", [], None),
+    ("intralayer.programs.inference_serve", [], None),
     ("intralayer.programs.mesh_demo", [], 4),
     ("intralayer.programs.overlap_tp", ["--time", "--trace", str(Path(tempfile.gettempdir()) / "overlap_tp_traces")],
      None),
