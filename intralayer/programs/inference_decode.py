@@ -76,13 +76,19 @@ def decode_case(d, a, kv: int) -> dict:
                 qkv_gathers=len(gathers) - 1, logits_gather_bytes=gathers[-1].bytes)
 
 
-@record
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def model_arguments(description: str) -> argparse.ArgumentParser:
+    """The tiny GPT's sizes, which both inference programs take (``inference_serve`` too)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--vocab", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=32)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--layers", type=int, default=2)
+    return ap
+
+
+@record
+def main(argv=None) -> None:
+    ap = model_arguments(__doc__.splitlines()[0])
     ap.add_argument("--prompt", type=int, default=5, help="prompt length s0")
     ap.add_argument("--batch", type=int, default=3, help="sequences b")
     ap.add_argument("--steps", type=int, default=8, help="tokens to decode")

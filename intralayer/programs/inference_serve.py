@@ -38,7 +38,6 @@ One GPU node (NCCL); the prompt a multiple of 2P, the cached positions before th
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 
@@ -50,6 +49,7 @@ from intralayer import comm, distributed, inference, serving
 from intralayer import context_parallel as cp
 from intralayer.expert_parallel import ExpertParallelMoE, check_placement
 from intralayer.model import TinyGPT
+from intralayer.programs.inference_decode import model_arguments
 
 REQUESTS = [3, 1, 2, 0]          # requests per rank in part 2: rank r serves entry r mod 4
 
@@ -152,11 +152,7 @@ def moe_case(d, a) -> dict:
 
 @record
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--vocab", type=int, default=64)
-    ap.add_argument("--hidden", type=int, default=32)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=2)
+    ap = model_arguments(__doc__.splitlines()[0])
     ap.add_argument("--prompt", type=int, default=16, help="prompt length s0 (a multiple of 2P)")
     ap.add_argument("--batch", type=int, default=3, help="sequences b in part 1")
     ap.add_argument("--steps", type=int, default=5, help="tokens decoded per turn")

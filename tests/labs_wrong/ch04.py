@@ -228,8 +228,8 @@ def ring_process_number(q, k, v, group, causal):
 # ------------------------------------------------------------------ RingAttention (backward)
 
 def _grads(q, k, v, out, lse, dout, group, causal, block_d=False, local_p=False, travel=True, kv_moves=None,
-           home=True):
-    P, me = dist.get_world_size(group), dist.get_rank(group)
+           home=True, process_number=False):
+    P, me = dist.get_world_size(group), (dist.get_rank() if process_number else dist.get_rank(group))
     scale = 1 / math.sqrt(q.shape[-1])
     delta = (dout * out).sum(-1, keepdim=True)
     dq = torch.zeros_like(q)
@@ -264,6 +264,23 @@ class BackwardNoTravel(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         return _grads(q, k, v, out, lse, dout, ctx.group, ctx.causal, travel=False)
+
+
+class BackwardProcessNumber(torch.autograd.Function):
+    """The backward's causal mask with dist.get_rank(), the process number: on the pair [1, 2] process 1
+    masks as rank 1 (found by tools/mutants.py; the 2-rank visible case was not causal before)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal):
+        out, lse = _ring(q, k, v, group, causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal = group, causal
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return _grads(q, k, v, out, lse, dout, ctx.group, ctx.causal, process_number=True)
 
 
 class BackwardBlockD(torch.autograd.Function):
@@ -443,6 +460,8 @@ WRONG = [
     ("ring_attention_check", ring_resends_own_block, ["times; each block moves once per step"]),
     ("ring_attention_check", ring_leftwards, ["it sent to group rank", "only to its right neighbour"]),
     ("ring_attention_check", ring_library, ["uses cp", "library's own ring attention"]),
+    ("ring_attention_backward_check", BackwardProcessNumber, ["q.grad is off",
+                                                              "dist.get_rank() without its group is the process number"]),
     ("ring_attention_backward_check", BackwardNoTravel, ["k.grad is off", "the backward pass: it sent"]),
     ("ring_attention_backward_check", BackwardBlockD, ["v.grad is right but q.grad and k.grad are not",
                                                        "the final output O"]),
