@@ -543,6 +543,11 @@ def model_times(t: int, h: int, tokens: int, chunks: int, bandwidth: float, flop
     kernel; an all-gather of S bytes, chapter 00's ``collective_time`` ((t−1)·α + (t−1)/t·S/B);
     one ring step, a shard of ``tokens/t·h·e`` bytes point to point, ``α + shard/B``. ``alpha``
     defaults to :data:`ALPHA`, NCCL's Simple-protocol ring step over NVLink (3.4 µs).
+    A communication call pays only those α's: no base latency per call, such as the one NCCL's
+    tuning model adds to every collective (8.4 µs for a Simple ring,
+    :data:`collectives.NCCL_BASE_US`), while every extra multiply pays ``overhead``. That
+    favours the schedules that make more calls — the ring's t−1 steps against the sequential
+    run's one all-gather, and the chunked schedules' pieces; chapter 07 prices it.
     ``sm_fraction`` (φ) is the share of the GPU's SMs a communication kernel holds while it
     runs: compute beside it runs at 1 − φ of its rate, so a step that overlaps a transfer
     τ_send with a multiply τ_mul takes ``max(τ_send, τ_mul + φ·τ_send)``. φ = 0 stands for
