@@ -32,14 +32,21 @@ The library's own answers (:mod:`intralayer.inference`, :mod:`intralayer.serving
 
 Bug hunt: ``gather_kv_cache(k, v, kv_heads, group)`` assembles the whole cache (b, a_kv, s, d)
 on every rank from the ranks' parts (as a decode server with attention TP 1 receives it from
-a prefill server at TP t). The bug, from SGLang's prefill→decode KV transfer
-(sgl-project/sglang#19086, which added the replication factor to the mapping; the same
-mapping was still missing in its mori backend, sgl-project/sglang#39660): head h is taken
-from rank ⌊h / (heads per rank)⌋, as if no head were replicated — right while t ≤ a_kv,
-wrong heads once t > a_kv (the course's rewrite of the logic, not the projects' code). The
-second buggy implementation counts the whole cache's heads from the parts, heads per rank
-× t, as vllm-ascend's Mooncake transfer did (vllm-project/vllm-ascend#11886: 8 heads at TP
-16 counted as 16): every replicated head counted once per rank that holds it.
+a prefill server at TP t). Both bugs are the two halves of the root cause that
+sgl-project/sglang#19086 gives for SGLang's prefill→decode KV transfer with replicated heads
+(Qwen3.5, 2 key/value heads, prefilled at attention TP 4): the transfer back-computed the
+total heads as heads per rank × TP ("computed total = 1 * 4 = 4 (wrong, actual = 2)") and
+wrote each prefill rank's heads at offsets computed as if no head were replicated; the fix
+carries the total head count explicitly and adds a replication factor (``src_replication``)
+to the mapping; SGLang later shared one head-slice helper across its mooncake, mori and nixl
+backends (sgl-project/sglang#39660). ``no_replicas``: head h taken from rank ⌊h / (heads per rank)⌋,
+right while t ≤ a_kv, wrong heads once t > a_kv. ``counted_heads``: the whole cache's heads
+counted as heads per rank × t, every replicated head once per rank that keeps it. (The
+course's rewrite of the logic, not SGLang's code.) The product came up again in vllm-ascend's
+Mooncake connector, which read the rank-local KV-head count as the model's
+(vllm-project/vllm-ascend#11885): a reviewer of the fix, #11886, objected to its first
+draft's local heads × TP ("8 global heads with TP 16 yields 16"), and the merged fix carries
+each transfer group's total explicitly.
 """
 from __future__ import annotations
 
@@ -428,7 +435,7 @@ def gather_kv_cache_counted_heads(k, v, kv_heads, group):
 hunt("replicated_kv_gather", "test_gather_kv_cache", {
     "no_replicas": Implementation(gather_kv_cache_no_replicas, True, "sgl-project/sglang#19086"),
     "correct": Implementation(gather_kv_cache, False),
-    "counted_heads": Implementation(gather_kv_cache_counted_heads, True, "vllm-project/vllm-ascend#11886"),
+    "counted_heads": Implementation(gather_kv_cache_counted_heads, True, "sgl-project/sglang#19086"),
 }, hint="both bugs need a key/value head that more than one rank keeps (t > a_kv), and one of them at least two such "
         "heads (on 4 ranks, a_kv = 2): cut every rank's part from one whole cache by the rule of part 2, for several "
         "a_kv, and compare the assembled cache with the whole one — its shape and every head")

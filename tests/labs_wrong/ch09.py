@@ -236,6 +236,18 @@ def test_shapes_only(gather_kv_cache, group):
         assert got_k.shape == K.shape and got_v.shape == V.shape
 
 
+def test_values_only(gather_kv_cache, group):
+    """Every layout and the values of heads 0 … a_kv − 1, but not the shape: extra heads go unseen."""
+    t, r = dist.get_world_size(group), dist.get_rank(group)
+    g = torch.Generator().manual_seed(0)
+    for kv in _cases(t):
+        K, V = (torch.randn(2, kv, 3, 4, generator=g, dtype=torch.float64) for _ in range(2))
+        m, first = max(kv // t, 1), r * kv // t
+        got_k, got_v = gather_kv_cache(K[:, first:first + m].clone(), V[:, first:first + m].clone(), kv, group)
+        for got, want in ((got_k, K), (got_v, V)):
+            assert all(torch.equal(got[:, h], want[:, h]) for h in range(kv))
+
+
 def test_process_number(gather_kv_cache, group):
     """The right test, but it cuts this rank's part with the process number."""
     t = dist.get_world_size(group)
@@ -267,6 +279,7 @@ def test_always_passes(gather_kv_cache, group):
 
 
 MISPLACED = "head h taken from rank h // (heads per rank) (the bug reported in sgl-project/sglang#19086)"
+COUNTED = "its heads counted as heads per rank × t (the bug reported in sgl-project/sglang#19086)"
 
 WRONG = [
     ("tp_decode_block_check", decode_gathers_weights, ["also sent", "all-gather", "sent no all-reduce",
@@ -294,6 +307,7 @@ WRONG = [
                                                            "Hint:", "more than one rank keeps"]),
     ("test_gather_kv_cache_check", test_multi_query_only, ["passes on the buggy", MISPLACED]),
     ("test_gather_kv_cache_check", test_shapes_only, ["passes on the buggy", MISPLACED]),
+    ("test_gather_kv_cache_check", test_values_only, ["passes on the buggy", COUNTED]),
     ("test_gather_kv_cache_check", test_process_number, ["fails on the correct",
                                                          "it used the global rank (the process number)"]),
     ("test_gather_kv_cache_check", test_on_process_zero_only, ["catches it only in", "assert on one process only"]),

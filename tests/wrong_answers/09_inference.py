@@ -141,6 +141,10 @@ WRONG = {
          kv(tokens="int(free // kv_bytes_per_token(layers, kv_heads, head_dim, t, itemsize))")),
         ("visible", "the cache per token of one GPU, not split by t",
          kv(tokens="max(int(free // kv_bytes_per_token(layers, kv_heads, head_dim, 1, itemsize)), 0)")),
+        ("visible", "tokens per GPU: the replica's tokens divided by t",
+         kv(tokens="max(int(free // kv_bytes_per_token(layers, kv_heads, head_dim, t, itemsize)) // t, 0)")),
+        ("visible", "every GPU's tokens counted apart: t times the replica's",
+         kv(tokens="max(int(free // kv_bytes_per_token(layers, kv_heads, head_dim, t, itemsize)) * t, 0)")),
     ],
     "all_reduces": [
         ("visible", "two all-reduces per layer, the embedding's forgotten", reduces(count="0 if t == 1 else 2 * layers")),
