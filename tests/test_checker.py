@@ -18,23 +18,21 @@ def checker(*paths: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
-def test_solutions_pass_and_a_blank_notebook_fails_at_every_check():
-    """One run of the checker over three notebooks: the exit code is 1 because one fails, and each
-    notebook's lines say which (a solutions lab and exercise at full points, a blank lab at none)."""
-    done = checker(ROOT / "solutions/labs/04_context_parallel.ipynb", ROOT / "solutions/02_megatron_tp.ipynb",
-                   ROOT / "exercises/labs/06_expert_parallel.ipynb")
-    assert done.returncode == 1, done.stdout + done.stderr
-    reports = done.stdout.split("\n" + str(ROOT / "solutions/02_megatron_tp.ipynb"))
-    lab04, rest = reports[0], reports[1]
-    ex02, blank = rest.split("\n" + str(ROOT / "exercises/labs/06_expert_parallel.ipynb"))
-    assert "7 of 7 points" in lab04 and "FAIL" not in lab04, done.stdout
-    assert "FAIL" not in ex02 and ex02.count("PASS") >= 3, done.stdout
-    assert ": 0 of" in blank and "PASS" not in blank and "not written yet" in blank, done.stdout
+def _sections(stdout: str, paths: list[Path]) -> dict[Path, str]:
+    """The checker's report cut into each notebook's lines (it reports them in the order given)."""
+    starts = [stdout.find(str(path)) for path in paths]
+    assert -1 not in starts and starts == sorted(starts), stdout
+    return {path: stdout[a:b] for path, a, b in zip(paths, starts, [*starts[1:], len(stdout)])}
 
 
 def test_solutions_alone_exit_zero():
-    done = checker(ROOT / "solutions/labs/00_collectives.ipynb")
-    assert done.returncode == 0 and "6 of 6 points" in done.stdout, done.stdout + done.stderr
+    """One run over a solutions lab and a solutions exercise notebook: every check passes, exit 0."""
+    lab04, ex02 = ROOT / "solutions/labs/04_context_parallel.ipynb", ROOT / "solutions/02_megatron_tp.ipynb"
+    done = checker(lab04, ex02)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = _sections(done.stdout, [lab04, ex02])
+    assert "7 of 7 points" in report[lab04] and "FAIL" not in report[lab04], done.stdout
+    assert "FAIL" not in report[ex02] and report[ex02].count("PASS") >= 3, done.stdout
 
 
 def _patched(blank: Path, folder: Path, patch: str) -> Path:
@@ -55,17 +53,30 @@ PATCHES = [
 ]
 
 
-def test_blank_notebooks_that_patch_the_checks_earn_nothing(tmp_path):
-    """Each patch a student could put in an answer cell (the check's run, the runner of checks, the
-    blank-exercise test, Python's AssertionError) patches a process that grades nothing."""
+def test_blank_patched_and_stripped_notebooks_earn_nothing(tmp_path):
+    """One run, exit 1: a blank lab fails at every check with 'not written yet'; each patch a student could
+    put in an answer cell (the check's run, the runner of checks, the blank-exercise test, Python's
+    AssertionError) patches a process that grades nothing; and a submission without its answer cells (deleted,
+    or their metadata lost) gets no solution in their place."""
+    blank = ROOT / "exercises/labs/06_expert_parallel.ipynb"
     patched = [_patched(ROOT / "exercises/labs/00_collectives.ipynb", tmp_path / str(i), patch)
                for i, patch in enumerate(PATCHES)]
     patched.append(_patched(ROOT / "exercises/00_collectives.ipynb", tmp_path / "ex",
                             "import builtins\nbuiltins.AssertionError = type('Fine', (Exception,), {})"))
-    done = checker(*patched)
+    nb = nbformat.read(ROOT / "solutions/labs/00_collectives.ipynb", as_version=4)
+    nb.cells = [c for c in nb.cells if not c.get("metadata", {}).get("nbgrader", {}).get("solution")]
+    stripped = tmp_path / "stripped" / "labs" / "00_collectives.ipynb"
+    stripped.parent.mkdir(parents=True)
+    nbformat.write(nb, stripped)
+    paths = [blank, *patched, stripped]
+    done = checker(*paths)
     assert done.returncode == 1, done.stdout + done.stderr
-    assert done.stdout.count("0 of 6 points") == len(PATCHES) and "0 of 5 points" in done.stdout, done.stdout
-    assert "PASS" not in done.stdout, done.stdout
+    report = _sections(done.stdout, paths)
+    assert ": 0 of" in report[blank] and "PASS" not in report[blank] and "not written yet" in report[blank], done.stdout
+    for path in patched[:-1]:
+        assert "0 of 6 points" in report[path] and "PASS" not in report[path], report[path]
+    assert "0 of 5 points" in report[patched[-1]] and "PASS" not in report[patched[-1]], report[patched[-1]]
+    assert "0 of 6 points" in report[stripped] and "PASS" not in report[stripped], report[stripped]
 
 
 def test_a_notebook_that_is_not_the_courses_is_refused_by_name(tmp_path):
@@ -73,14 +84,3 @@ def test_a_notebook_that_is_not_the_courses_is_refused_by_name(tmp_path):
     nbformat.write(nbformat.v4.new_notebook(), other)
     done = checker(other)
     assert done.returncode != 0 and "no notebook of that name in solutions/" in done.stderr, done.stderr
-
-
-def test_a_submission_without_its_answer_cells_gets_no_solution_in_their_place(tmp_path):
-    """Deleting an answer cell (or losing its metadata) must not bring in the course's solution."""
-    nb = nbformat.read(ROOT / "solutions/labs/00_collectives.ipynb", as_version=4)
-    nb.cells = [c for c in nb.cells if not c.get("metadata", {}).get("nbgrader", {}).get("solution")]
-    out = tmp_path / "labs" / "00_collectives.ipynb"
-    out.parent.mkdir()
-    nbformat.write(nb, out)
-    done = checker(out)
-    assert done.returncode == 1 and "0 of 6 points" in done.stdout, done.stdout + done.stderr
