@@ -214,6 +214,9 @@ def test_a_rank_that_never_joins_a_collective_is_named_after_the_timeout(tmp_pat
 INTERRUPTED_CELL = """
 import faulthandler, signal, sys
 faulthandler.register(signal.SIGUSR1)      # the test asks for every thread's stack if this hangs
+# As a kernel does while it runs a cell: SIGINT raises KeyboardInterrupt, whatever this process
+# inherited (a process started with SIGINT ignored keeps it ignored, and would never return).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from intralayer import launch
 launch.run({program!r}, 2, args=["hang", {token!r}], timeout=300, env={env!r})
 """
