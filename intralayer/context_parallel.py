@@ -34,6 +34,7 @@ arithmetic: bytes, FLOPs, memory, and when a ring step's transfer hides
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -260,13 +261,21 @@ def schedule(rank: int, P: int, layout: str, causal: bool) -> list[list[tuple[in
     of the rank's chunks (one, or two under zigzag); kind is the pair's causal mask, "full",
     "diagonal" or "shifted" (see the layouts), and pairs with no visible key are left out.
     """
+    chunk_ids(rank, P, layout)                    # the arguments' rules, before they are a cache's key
+    return [list(step) for step in _schedule(int(rank), int(P), layout, bool(causal))]
+
+
+@functools.lru_cache(maxsize=4096)
+def _schedule(rank: int, P: int, layout: str, causal: bool) -> tuple:
+    """:func:`schedule` as tuples, kept: it does not depend on the sequence length, and the book's
+    explorer asks for the same few schedules thousands of times."""
     mine, mask = chunk_ids(rank, P, layout), LAYOUTS[layout].mask
     steps = []
     for i in range(P):
         theirs = chunk_ids((rank - i) % P, P, layout)
-        steps.append([(qi, kj, kind) for qi, qc in enumerate(mine) for kj, kc in enumerate(theirs)
-                      if (kind := mask(qc, kc) if causal else "full") is not None])
-    return steps
+        steps.append(tuple((qi, kj, kind) for qi, qc in enumerate(mine) for kj, kc in enumerate(theirs)
+                           if (kind := mask(qc, kc) if causal else "full") is not None))
+    return tuple(steps)
 
 
 COUNTS = ("computed", "unmasked")
