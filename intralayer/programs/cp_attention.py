@@ -158,7 +158,7 @@ def main(argv=None) -> None:
     ap.add_argument("--head-dim", "--d", dest="d", type=int, default=8, help="head dimension")
     ap.add_argument("--time-seq-len", dest="time_s", type=int, default=4096,
                     help="sequence length of part 4's timed causal rings (0: no timing)")
-    ap.add_argument("--repeats", type=int, default=7, help="timed runs of each layout (after one warm-up)")
+    ap.add_argument("--repeats", type=int, default=15, help="timed runs of each layout (after one warm-up)")
     ap.add_argument("--no-time-table", dest="time_table", action="store_false",
                     help="leave part 4's table out of the printed output (it is still in --out's JSON)")
     ap.add_argument("--tp", type=int, default=0, help="part 5: the TP × CP grid with this tensor-parallel degree")
