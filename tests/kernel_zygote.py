@@ -42,11 +42,6 @@ def install(folder: str) -> None:
                    "metadata": {"debugger": True}}, f)
 
 
-def _message(sock: socket.socket) -> bytes:
-    size = struct.unpack("!I", _exactly(sock, 4))[0]
-    return _exactly(sock, size)
-
-
 def _exactly(sock: socket.socket, n: int) -> bytes:
     data = b""
     while len(data) < n:
