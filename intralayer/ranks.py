@@ -12,10 +12,8 @@ alarm ends it. Ranks run on the CPU, one thread each; GPU programs go through to
 """
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import multiprocessing.connection
-import multiprocessing.forkserver
 import os
 import shutil
 import signal
@@ -58,11 +56,7 @@ class Outcome:
 
 def error_info(exc: BaseException) -> dict:
     """An exception as plain data: type, message, every frame (file, line, qualified name)."""
-    frames, tb = [], exc.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        frames.append((code.co_filename, tb.tb_lineno, getattr(code, "co_qualname", code.co_name)))
-        tb = tb.tb_next
+    frames = [(f.f_code.co_filename, line, f.f_code.co_qualname) for f, line in traceback.walk_tb(exc.__traceback__)]
     return {"type": type(exc).__name__, "message": str(exc).strip(), "frames": frames,
             "traceback": "".join(traceback.format_exception(exc))[-6000:]}
 
@@ -101,39 +95,27 @@ def _rank(rank: int, world: int, folder: str, target, args, env: dict, conn, ala
     os._exit(1 if reply[0] == "error" else 0)       # no teardown: a broken group may hang in it
 
 
-def _context():
-    """The forkserver context, its server started (or restarted) with :data:`SERVER_ENV`."""
+def _start(rank_args) -> multiprocessing.Process:
+    """A rank from the fork server, started (or restarted, if it has just died) with :data:`SERVER_ENV`.
+    Meanwhile ``__main__`` is hidden: multiprocessing would have the rank re-import it (in a notebook,
+    ipykernel: seconds a rank), and a target is a module's function that needs nothing from it."""
     ctx = multiprocessing.get_context(START_METHOD)
     ctx.set_forkserver_preload(PRELOAD)
-    saved = dict(os.environ)
+    saved, main, sys.modules["__main__"] = dict(os.environ), sys.modules["__main__"], types.ModuleType("__main__")
     os.environ.update(SERVER_ENV)
     try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    return ctx
-
-
-@contextlib.contextmanager
-def _without_main():
-    """Multiprocessing would have each rank re-import the caller's ``__main__`` (in a notebook,
-    ipykernel: seconds a rank); a target is a module's function and needs nothing from it."""
-    main, sys.modules["__main__"] = sys.modules["__main__"], types.ModuleType("__main__")
-    try:
-        yield
+        for retry in (False, True):
+            try:
+                (p := ctx.Process(target=_rank, args=rank_args, daemon=True)).start()
+                return p
+            except (EOFError, ConnectionError):
+                if retry:
+                    raise
+                time.sleep(0.5)
     finally:
         sys.modules["__main__"] = main
-
-
-def _start(rank_args):
-    with _without_main():
-        try:
-            (p := _context().Process(target=_rank, args=rank_args, daemon=True)).start()
-        except (EOFError, ConnectionError):           # the fork server has just died: start another
-            time.sleep(0.5)
-            (p := _context().Process(target=_rank, args=rank_args, daemon=True)).start()
-    return p
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def run(target, world: int, args: tuple = (), *, deadline: float = 60.0, env: dict | None = None,
@@ -154,15 +136,14 @@ def run(target, world: int, args: tuple = (), *, deadline: float = 60.0, env: di
     outcomes, procs, conns = [Outcome(r) for r in range(world)], [], {}
     try:
         for r in range(world):
-            receive, send = multiprocessing.Pipe(duplex=False)
-            procs.append(_start((r, world, folder, target, args, env, send, int(deadline + 3 * GRACE_S + 5))))
-            send.close()
-            conns[receive] = r
-        _collect(procs, conns, outcomes, time.monotonic() + deadline, stop_on_failure)
+            conns[(receive := multiprocessing.Pipe(duplex=False))[0]] = r
+            procs.append(_start((r, world, folder, target, args, env, receive[1], int(deadline + 3 * GRACE_S + 5))))
+            receive[1].close()
+        _collect(procs, dict(conns), outcomes, time.monotonic() + deadline, stop_on_failure)
         stop(procs)                                 # the late ones print their stacks, then end
-        for o in outcomes:
-            o.stdout, o.stderr = (Path(folder, f"rank{o.rank}.{k}").read_text(errors="replace")
-                                  if Path(folder, f"rank{o.rank}.{k}").exists() else "" for k in ("out", "err"))
+        for o, k in ((o, k) for o in outcomes for k in ("out", "err")):
+            setattr(o, f"std{k}", Path(folder, f"rank{o.rank}.{k}").read_text(errors="replace")
+                    if Path(folder, f"rank{o.rank}.{k}").exists() else "")
         return outcomes
     finally:
         stop(procs)
@@ -171,24 +152,17 @@ def run(target, world: int, args: tuple = (), *, deadline: float = 60.0, env: di
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _collect(procs, conns, outcomes, until: float, stop_on_failure: bool) -> None:
-    """Read every rank's messages and outcome until all have ended or the deadline passes."""
-    running = {p.sentinel: r for r, p in enumerate(procs)}
-    while running or conns:
-        ready = multiprocessing.connection.wait([*conns, *running], timeout=max(0.0, until - time.monotonic()))
-        if not ready:
-            break                                   # late: stopped by the caller
-        for item in ready:
-            if item in running:
-                r = running.pop(item)
-                procs[r].join()
-                outcomes[r].exitcode = procs[r].exitcode
-                continue
-            o = outcomes[conns[item]]
+def _collect(procs, open_conns, outcomes, until: float, stop_on_failure: bool) -> None:
+    """Read every rank's messages and outcome until all have ended (their pipes closed) or the deadline."""
+    while open_conns and (ready := multiprocessing.connection.wait(list(open_conns), max(0.0, until - time.monotonic()))):
+        for conn in ready:
+            o = outcomes[open_conns[conn]]
             try:
-                kind, payload = item.recv()
-            except (EOFError, OSError):
-                conns = {c: r for c, r in conns.items() if c is not item}
+                kind, payload = conn.recv()
+            except (EOFError, OSError):             # the rank has ended
+                del open_conns[conn]
+                procs[o.rank].join()
+                o.exitcode = procs[o.rank].exitcode
                 continue
             if kind == "message":
                 o.messages.append(payload)
@@ -196,9 +170,9 @@ def _collect(procs, conns, outcomes, until: float, stop_on_failure: bool) -> Non
                 o.value, o.error = (payload, None) if kind == "value" else (None, payload)
         if stop_on_failure and any(o.error is not None or o.exitcode not in (None, 0) for o in outcomes):
             stop([p for r, p in enumerate(procs) if outcomes[r].error is None])
-    for r, p in enumerate(procs):                   # ranks that ended in the last round
-        if outcomes[r].exitcode is None and not p.is_alive():
-            outcomes[r].exitcode = p.exitcode
+    for o in outcomes:                              # ended at the deadline, its pipe not read yet
+        if o.exitcode is None and not procs[o.rank].is_alive():
+            o.exitcode = procs[o.rank].exitcode
 
 
 def stop(procs) -> None:

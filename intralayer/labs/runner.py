@@ -68,32 +68,25 @@ class _Recorder(Recorder):
             FLIGHT["pending"][id(work)] = work
 
 
-def _wait_once(wait):
-    """``Work.wait`` is a method, not an operator: wrapped, so that a second wait on a request is named
-    (gloo would wait for ever) and a waited receive leaves :data:`FLIGHT`."""
-    def checked(self, *args, **kwargs):
-        if _watches:
-            if id(self) in _waited:
-                raise Forbidden("wait() was called a second time on the same request: a request is waited on "
-                                "once (after its first wait it is done; keep the result, not the request)")
-            _waited[id(self)] = self
-            FLIGHT["pending"].pop(id(self), None)
-        return wait(self, *args, **kwargs)
-    return checked
-
-
 @contextlib.contextmanager
 def watch(forbid=frozenset(), why: str = ""):
     """The block's data-moving calls, as a list of :class:`intralayer.record.Call`; :class:`Forbidden` for a
-    forbidden one or one on the default group."""
+    forbidden one or one on the default group. ``Work.wait`` is a method, not an operator: it is wrapped, so
+    that a second wait on a request is named (gloo would wait for ever) and a waited receive leaves FLIGHT."""
     if bad := set(forbid) - OPERATIONS:
         raise ValueError(f"unknown operations {sorted(bad)}; the operations are {sorted(OPERATIONS)}")
-    calls, outermost = [], not _watches
+    calls, outermost, wait = [], not _watches, vars(dist.Work)["wait"]
     _watches.append((calls, frozenset(forbid), why))
+
+    def wait_once(self, *args, **kwargs):
+        if id(self) in _waited:
+            raise Forbidden("wait() was called a second time on the same request: a request is waited on "
+                            "once (after its first wait it is done; keep the result, not the request)")
+        _waited[id(self)] = self
+        FLIGHT["pending"].pop(id(self), None)
+        return wait(self, *args, **kwargs)
     if outermost:
-        wait, mode = vars(dist.Work)["wait"], _Recorder()
-        dist.Work.wait = _wait_once(wait)
-        mode.__enter__()
+        dist.Work.wait, mode = wait_once, _Recorder().__enter__()
     try:
         yield calls
     finally:
@@ -106,7 +99,7 @@ def watch(forbid=frozenset(), why: str = ""):
 
 
 class _Refused(type):
-    """A forbidden class's stand-in: calling it, or reading an attribute of it, raises."""
+    """A forbidden function's or class's stand-in: calling it, or reading an attribute of it, raises."""
 
     def __call__(cls, *args, **kwargs):
         raise Forbidden(cls._refusal)
@@ -115,22 +108,13 @@ class _Refused(type):
         raise Forbidden(cls._refusal)
 
 
-def _stub(refusal: str, value):
-    if isinstance(value, type):
-        return _Refused(value.__name__, (), {"_refusal": refusal})
-
-    def refuse(*args, **kwargs):
-        raise Forbidden(refusal)
-    return refuse
-
-
 @contextlib.contextmanager
 def _guard(modules: tuple[str, ...], why: str):
     """The public functions and classes of the forbidden modules replaced by stand-ins that raise."""
     saved = [(m, a, v) for name in modules for m in [importlib.import_module(name)] for a, v in list(vars(m).items())
              if not a.startswith("_") and isinstance(v, (types.FunctionType, type)) and v.__module__ == name]
     for module, attr, value in saved:
-        setattr(module, attr, _stub(f"{module.__name__}.{attr} is not allowed here: {why}", value))
+        setattr(module, attr, _Refused(attr, (), {"_refusal": f"{module.__name__}.{attr} is not allowed here: {why}"}))
     try:
         yield
     finally:
@@ -143,13 +127,13 @@ def _group_less(files: set[str]):
     """Which of dist.get_rank() and get_world_size() the learner's code called without its group."""
     seen, originals = [], (dist.get_rank, dist.get_world_size)
 
-    def wrap(original, name):
+    def wrap(original):
         def wrapper(group=None, *args, **kwargs):
             if (group is None or group is dist.group.WORLD) and sys._getframe(1).f_code.co_filename in files:
-                seen.append(name)
+                seen.append(original.__name__)
             return original(group, *args, **kwargs)
         return wrapper
-    dist.get_rank, dist.get_world_size = wrap(originals[0], "get_rank"), wrap(originals[1], "get_world_size")
+    dist.get_rank, dist.get_world_size = map(wrap, originals)
     try:
         yield seen
     finally:
@@ -187,12 +171,11 @@ def _reworded(text: str, said: str | None, group) -> str | None:
 
 def error_info(exc: BaseException, files: set[str]) -> dict:
     """An exception as the notebook side reports it: type, first line, the learner's frames only."""
-    info, text = ranks.error_info(exc), str(exc)
-    comm = isinstance(exc, (RuntimeError, dist.DistError))
-    return {"type": info["type"], "message": re.sub(r"^\[[^\]]*\]\s*", "", (text.strip().splitlines() or [""])[0])[:400],
+    info, comm = ranks.error_info(exc), isinstance(exc, (RuntimeError, dist.DistError))
+    return {"type": info["type"], "message": re.sub(r"^\[[^\]]*\]\s*", "", (info["message"].splitlines() or [""])[0])[:400],
             "frames": [f for f in info["frames"] if f[0] in files],
-            "timed_out": comm and bool(re.search(r"timed out|timeout", text, re.I)),
-            "lost_peer": comm and bool(re.search(r"closed by peer|reset by peer|broken pipe", text, re.I))}
+            "timed_out": comm and bool(re.search(r"timed out|timeout", info["message"], re.I)),
+            "lost_peer": comm and bool(re.search(r"closed by peer|reset by peer|broken pipe", info["message"], re.I))}
 
 
 def _run_case(part, ns, case, group, files) -> dict:
@@ -221,42 +204,33 @@ def _run_case(part, ns, case, group, files) -> dict:
     return {**outcome, "printed": printed.getvalue().splitlines()[:PRINTED_LINES]}
 
 
-def run_job(job: dict, d, group_timeout: float) -> tuple[dict, bool]:
-    """This rank's outcome of every case of one job, and whether any case failed."""
-    part, files = parts.get(job["part"]), set(job["files"])
-    with _guard(part.forbid_modules, part.why):
-        try:
-            ns, load_error = types.SimpleNamespace(**cloudpickle.loads(job["payload"])), None
-        except Exception as exc:
-            ns, load_error = None, error_info(exc, files)
-        cases, broken, settled = [], False, False
-        for case in job["cases"]:
-            if settled:                # a hunt's test failed on the correct implementation: its verdict is known
-                cases.append(None)
-                continue
-            groups = [(r, distributed.new_group(r, timeout_s=group_timeout)) for r in layout(case["ranks"], d.world_size)]
-            mine = [(r, g) for r, g in groups if d.rank in r]
-            outcome = None
-            if mine:
-                members, group = mine[0]
-                outcome = {"error": load_error} if load_error else _run_case(part, ns, case, group, files)
-                outcome.update(group=members, group_rank=members.index(d.rank))
-            failed = torch.tensor([1.0 if outcome and outcome.get("error") else 0.0])
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX)     # wait for every group; did any rank fail?
-            broken = broken or bool(failed.item())
-            cases.append(outcome)
-            settled = bool(failed.item()) and part.kind == "hunt" and not part.implementations[case["impl"]].buggy
-    return {"cases": cases}, broken
-
-
 def run_jobs(jobs: list[dict], group_timeout: float) -> None:
     """On each pool rank: every job's cases, each job's outcomes reported as soon as they are known."""
     broken = False
     with distributed.setup(timeout_s=group_timeout + 20.0) as d:
         for job in jobs:
-            result, failed = run_job(job, d, group_timeout)
-            ranks.report(result)
-            broken = broken or failed
+            part, files, cases, settled = parts.get(job["part"]), set(job["files"]), [], False
+            with _guard(part.forbid_modules, part.why):
+                try:
+                    ns, load_error = types.SimpleNamespace(**cloudpickle.loads(job["payload"])), None
+                except Exception as exc:
+                    ns, load_error = None, error_info(exc, files)
+                for case in job["cases"]:
+                    if settled:        # a hunt's test failed on the correct implementation: its verdict is known
+                        cases.append(None)
+                        continue
+                    groups = [(r, distributed.new_group(r, timeout_s=group_timeout)) for r in layout(case["ranks"])]
+                    outcome = None
+                    for members, group in groups:
+                        if d.rank in members:
+                            outcome = {"error": load_error} if load_error else _run_case(part, ns, case, group, files)
+                            outcome.update(group=members, group_rank=members.index(d.rank))
+                    failed = torch.tensor([1.0 if outcome and outcome.get("error") else 0.0])
+                    dist.all_reduce(failed, op=dist.ReduceOp.MAX)     # wait for every group; did any rank fail?
+                    broken, failed = broken or bool(failed.item()), bool(failed.item())
+                    cases.append(outcome)
+                    settled = failed and part.kind == "hunt" and not part.implementations[case["impl"]].buggy
+            ranks.report({"cases": cases})
         if broken:                 # a group may hold a send no one will receive: leave without teardown
             sys.stdout.flush(), sys.stderr.flush()
             os._exit(0)
