@@ -40,6 +40,7 @@ class Report:
         return "\n".join(self.lines)
 
 
+
 class Check:
     """One graded check: a lab part or bug hunt, the learner's objects, and the cases to run."""
 
@@ -54,11 +55,10 @@ class Check:
         """Add a case: a group of ``ranks`` ranks (2, 3 or 4) and the part's parameters. A bug hunt's
         ``impl`` names the implementation(s) to run the test against; by default every one the graders use."""
         impls = params.pop("impl", None)
-        if self.part.kind != "hunt":
-            self.cases.append(self.part.case(ranks, params if impls is None else {**params, "impl": impls}))
-            return self
-        impls = tuple(self.part.implementations) if impls is None else (impls,) if isinstance(impls, str) else impls
-        self.cases += [self.part.case(ranks, {**params, "impl": impl}) for impl in impls]
+        if impls is None and self.part.kind == "hunt":
+            impls = tuple(self.part.implementations)
+        for impl in (impls,) if impls is None or isinstance(impls, str) or self.part.kind != "hunt" else impls:
+            self.cases.append(self.part.case(ranks, params if impl is None else {**params, "impl": impl}))
         return self
 
     @classmethod
@@ -126,8 +126,7 @@ def run_many(checks: list[Check], deadline: float = DEADLINE_S, group_timeout: f
             results.append(check.prepare())
         except (NotImplementedError, LabFailure, ValueError) as exc:
             results.append(exc)
-    ready = [i for i, r in enumerate(results) if isinstance(r, transport.Package)]
-    if ready:
+    if ready := [i for i, r in enumerate(results) if isinstance(r, transport.Package)]:
         jobs = [{"part": checks[i].part.name, "payload": results[i].payload, "cases": checks[i].cases,
                  "files": results[i].files} for i in ready]
         start = time.monotonic()
@@ -137,8 +136,9 @@ def run_many(checks: list[Check], deadline: float = DEADLINE_S, group_timeout: f
     return results
 
 
-def _who(group: list[int], group_rank: int) -> str:
-    return f"rank {group_rank}" if group == list(range(len(group))) else f"group rank {group_rank} (process {group[group_rank]})"
+def _who(found: dict) -> str:
+    group, rank = found["group"], found["group_rank"]
+    return f"rank {rank}" if group == list(range(len(group))) else f"group rank {rank} (process {group[rank]})"
 
 
 def _grouped(pairs: list[tuple[str, str]], everyone: int, sep: str = " ") -> list[str]:
@@ -146,10 +146,9 @@ def _grouped(pairs: list[tuple[str, str]], everyone: int, sep: str = " ") -> lis
     seen: dict[str, list[str]] = {}
     for who, sentence in pairs:
         seen.setdefault(sentence, []).append(who)
-    def others(w):
-        return f" (and {len(w) - 1} other{'s' if len(w) > 2 else ''})" if len(w) > 1 else ""
-    return [f"every rank{sep}{s}" if len(w) == everyone > 1 else f"{w[0]}{others(w)}{sep}{s}"
-            for s, w in seen.items()]
+    others = {1: "", 2: " (and 1 other)"}
+    return [f"every rank{sep}{s}" if len(w) == everyone > 1 else
+            f"{w[0]}{others.get(len(w), f' (and {len(w) - 1} others)')}{sep}{s}" for s, w in seen.items()]
 
 
 class _Verdict:
@@ -159,60 +158,55 @@ class _Verdict:
         self.check, self.part, self.package, self.job = check, check.part, package, job
         self.outcomes, self.deadline, self.seconds = outcomes, deadline, seconds
 
-    def where(self, frames) -> str:
+    def where(self, frames, code: bool = True) -> str:
         """' at line 3 of f: `code` (called from line 9 of g)': the learner's frames only."""
-        places = [(p, f, n) for f, n, _ in frames if (p := self.package.where(f, n))]
+        places = [(p, f, n) for f, n, *_ in frames if (p := self.package.where(f, n))]
         if not places:
             return ""
         (place, file, line), callers = places[-1], [p[0] for p in places[:-1]][-3:]
-        return f" at {place}: `{self.package.line(file, line)}`" + \
-            (f" (called from {', '.join(reversed(callers))})" if callers else "")
+        return f" at {place}" + (f": `{self.package.line(file, line)}`" if code else "") + \
+            (f" (called from {', '.join(reversed(callers))})" if callers and code else "")
 
     def result(self):
-        name, outs = self.part.name, self.outcomes
-        late = any(o.exitcode is None for o in outs)
-        if late or any(len(o.messages) <= self.job for o in outs):
-            return LabFailure(self.unfinished(late))
-        report, blocks, shown, unwritten = Report(name, seconds=self.seconds), [], 0, None
+        outs = self.outcomes
+        if any(o.exitcode is None for o in outs) or any(len(o.messages) <= self.job for o in outs):
+            return LabFailure(self.unfinished(any(o.exitcode is None for o in outs)))
+        report, blocks, shown, unwritten = Report(self.part.name, seconds=self.seconds), [], 0, None
         for c, case in enumerate(self.check.cases):
             found = [f for o in outs if (f := o.messages[self.job]["cases"][c])]
             line, problems, missing = (self.hunt_case if self.part.kind == "hunt" else self.lab_case)(case, found)
-            unwritten = unwritten or missing
-            report.lines += [line] if line else []
+            unwritten, report.lines = unwritten or missing, report.lines + ([line] if line else [])
             if problems and shown < MAX_LINES:
                 where = " and ".join(str(g) for g in runner.layout(case["ranks"]))
                 extra = "".join(f", {k} {v}" for k, v in case.items() if k not in ("ranks", "seed", "impl"))
                 blocks += [f"On {case['ranks']} ranks (processes {where}){extra}:"] + \
                     [f"- {p}" for p in problems[:MAX_LINES - shown]]
                 shown += len(problems)
+        printed = [f"[case {c + 1}: {case['ranks']} ranks, {_who(got)}] {text}" for c, case in
+                   enumerate(self.check.cases) for o in outs if (got := o.messages[self.job]["cases"][c])
+                   for text in got.get("printed", [])]
+        printed = ["", "What your code printed on the ranks:", *printed[:MAX_PRINTED]] + \
+            ([f"… and {len(printed) - MAX_PRINTED} more lines"] if len(printed) > MAX_PRINTED else []) if printed else []
         if unwritten:
             return NotImplementedError(unwritten)
-        if blocks:
-            head = f"{name} is not right yet." if self.part.kind == "lab" else f"{self.part.objects[0]} does not do its job yet."
-            hint = [f"Hint: {self.part.hint}."] if self.part.hint and any("does not catch the bug" in b for b in blocks) else []
-            return LabFailure("\n".join([head] + blocks + hint + self.printed()))
-        report.lines += self.printed()
-        return report
-
-    def printed(self) -> list[str]:
-        lines = [f"[case {c + 1}: {case['ranks']} ranks, {_who(got['group'], got['group_rank'])}] {text}"
-                 for c, case in enumerate(self.check.cases) for o in self.outcomes
-                 if len(o.messages) > self.job and (got := o.messages[self.job]["cases"][c])
-                 for text in got.get("printed", [])]
-        more = [f"… and {len(lines) - MAX_PRINTED} more lines"] if len(lines) > MAX_PRINTED else []
-        return ["", "What your code printed on the ranks:"] + lines[:MAX_PRINTED] + more if lines else []
+        if not blocks:
+            report.lines += printed
+            return report
+        head = f"{self.part.name} is not right yet." if self.part.kind == "lab" else \
+            f"{self.part.objects[0]} does not do its job yet."
+        hint = [f"Hint: {self.part.hint}."] if self.part.hint and any("does not catch the bug" in b for b in blocks) else []
+        return LabFailure("\n".join([head, *blocks, *hint, *printed]))
 
     def unfinished(self, late: bool) -> str:
         """Why processes did not finish the job: still running at the deadline, or ended early."""
         missing = [o for o in self.outcomes if len(o.messages) <= self.job]
-        if late:
-            def stack(o):                              # where it was stopped: the stack it printed on SIGTERM
-                return next((f" at {p}: `{self.package.line(m[1], int(m[2]))}`" for m in
-                             re.finditer(r'File "([^"]+)", line (\d+)', o.stderr)
-                             if (p := self.package.where(m[1], int(m[2])))), " (outside your code)")
+        if late:                                    # where each was stopped: the stack it printed on SIGTERM
+            stacks = {o.rank: [(m[1], int(m[2])) for m in re.finditer(r'File "([^"]+)", line (\d+)', o.stderr)
+                               if self.package.where(m[1], int(m[2]))][:1] for o in missing}
             done = [str(o.rank) for o in self.outcomes if o not in missing]
-            lines = [s.replace("every rank", "every process") for s in
-                     _grouped([(f"process {o.rank}", f"was still running{stack(o)}") for o in missing], len(self.outcomes))]
+            lines = [s.replace("every rank", "every process") for s in _grouped(
+                [(f"process {o.rank}", f"was still running{self.where(stacks[o.rank]) or ' (outside your code)'}")
+                 for o in missing], len(self.outcomes))]
             lines += [f"process{'es' if len(done) > 1 else ''} {', '.join(done)} had already finished "
                       f"{'their' if len(done) > 1 else 'its'} cases"] if done else []
             return "\n".join([f"{self.part.name} did not finish: an endless loop, or a wait that no timeout ends? "
@@ -235,27 +229,23 @@ class _Verdict:
         """Sentences for the errors the ranks raised, root causes first; and a NotImplementedError's text."""
         waits = [o for o in found if o.get("error") and (o["error"]["timed_out"] or o["error"]["lost_peer"])]
         roots = [o for o in found if o.get("error") and o not in waits]
-        said = [(_who(o["group"], o["group_rank"]), f"raised {o['error']['type']}" +
-                 (f": {o['error']['message']}" if o["error"]["message"] else "") + self.where(o["error"]["frames"]))
-                for o in roots]
+        said = [(_who(o), f"raised {o['error']['type']}" + (f": {o['error']['message']}" if o["error"]["message"] else "")
+                 + self.where(o["error"]["frames"])) for o in roots]
         unwritten = next((f"{w} {s}" for (w, s), o in zip(said, roots) if o["error"]["type"] == "NotImplementedError"), None)
         why = ("after a peer had failed" if roots else "a send with no matching receive (or a receive with no send, "
                "or a collective that not every rank of the group called): a deadlock")
-        stuck = [(_who(o["group"], o["group_rank"]), f"{'timed out waiting' if o['error']['timed_out'] else 'lost its peer'}"
+        stuck = [(_who(o), f"{'timed out waiting' if o['error']['timed_out'] else 'lost its peer'}"
                   f"{self.where(o['error']['frames'])}: {why}") for o in waits]
-        stuck += [(_who(o["group"], o["group_rank"]), "had already returned (it was not waiting for anyone)")
-                  for o in found if waits and not o.get("error")]
+        stuck += [(_who(o), "had already returned (it was not waiting for anyone)") for o in found if waits and not o.get("error")]
         return _grouped(said, len(found)) + _grouped(stuck, len(found)), unwritten
 
     def lab_case(self, case: dict, found: list[dict]):
         errors, unwritten = self.errors(found)
-        problems = errors[:4] or _grouped([(_who(o["group"], o["group_rank"]), p) for o in found
-                                           for p in o.get("problems", [])], len(found), ": ")
-        if problems:
+        if problems := errors[:4] or _grouped([(_who(o), p) for o in found for p in o.get("problems", [])], len(found), ": "):
             return "", problems, unwritten
         first = min(found, key=lambda o: (o["group"], o["group_rank"]))
-        line = self.part.summary(first["facts"]) if self.part.summary else f"{case['ranks']} ranks: correct"
-        return f"{self.part.name} passed on {line}", [], None
+        return f"{self.part.name} passed on " + (self.part.summary(first["facts"]) if self.part.summary
+                                                 else f"{case['ranks']} ranks: correct"), [], None
 
     def hunt_case(self, case: dict, found: list[dict]):
         if not found:                              # not run: an earlier case settled the verdict
@@ -264,28 +254,24 @@ class _Verdict:
         what = (impl.function.__doc__ or case["impl"]).strip().splitlines()[0].rstrip(".")
         what = what[0].lower() + what[1:]
         errors, unwritten = self.errors(found)
+        groups = {tuple(o["group"]) for o in found}
+        missed = sorted(g for g in groups if not any(o.get("error") for o in found if tuple(o["group"]) == g))
         if unwritten:
             return "", [], unwritten
         if impl.buggy and not errors:
             note = f" (the bug reported in {impl.source})" if impl.source else ""
             return "", [f"{test} passes on the buggy {what}{note}: it does not catch the bug"], None
-        if not impl.buggy and errors:
-            return "", [f"{test} fails on the correct {what}: {errors[0]}. A test must pass on a correct "
-                        "implementation"], None
-        groups = {tuple(o["group"]) for o in found}
-        missed = sorted(g for g in groups if not any(o.get("error") for o in found if tuple(o["group"]) == g))
-        if impl.buggy and missed:                  # each group of the case runs the test on its own
+        if not impl.buggy:
+            return (f"{test} passes on the correct implementation on {case['ranks']} ranks", [], None) if not errors else \
+                ("", [f"{test} fails on the correct {what}: {errors[0]}. A test must pass on a correct implementation"], None)
+        if missed:                                 # each group of the case runs the test on its own
             return "", [f"{test} passes on the buggy {what} in the group of processes {list(missed[0])} and catches "
                         f"it only in {list(sorted(groups - set(missed))[0])}: a test must fail wherever the bug is — "
                         "does it assert on one process only (dist.get_rank() == 0, say)? Every rank of every group "
                         "should check what it can"], None
-        if not impl.buggy:
-            return f"{test} passes on the correct implementation on {case['ranks']} ranks", [], None
         first = next(o for o in found if o.get("error"))
-        place = next((p for f, n, _ in reversed(first["error"]["frames"]) if (p := self.package.where(f, n))), None)
-        return (f"{test} catches the bug on {case['ranks']} ranks ({case['impl']}: "
-                f"{_who(first['group'], first['group_rank'])} raised {first['error']['type']}"
-                + (f" at {place}" if place else "") + ")"), [], None
+        return (f"{test} catches the bug on {case['ranks']} ranks ({case['impl']}: {_who(first)} raised "
+                f"{first['error']['type']}{self.where(first['error']['frames'], code=False)})"), [], None
 
 
 def show(name: str) -> None:
