@@ -49,7 +49,7 @@ def _patched(blank: Path, folder: Path, patch: str) -> Path:
 PATCHES = [
     "from intralayer import labs\nlabs.Check.run = lambda self, *a, **k: print('passed')",
     "from intralayer.labs import check as _c\n_c.run_many = lambda checks, *a, **k: [_c.Report('x') for _ in checks]",
-    "import intralayer.labs.transport as _t\n_t.unwritten = lambda objects: []",
+    "import intralayer.labs.transport as _t\n_t._blank = lambda fn: False",
 ]
 
 

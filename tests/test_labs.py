@@ -310,7 +310,7 @@ def test_a_notebook_class_travels_and_its_blank_method_is_found():
     exec(compile(cell, name, "exec"), namespace)  # noqa: S102
     package = transport.pack({"CopyToGroup": namespace["Twice"]})
     assert cloudpickle.loads(package.payload)["CopyToGroup"].forward(None, 3, None) == 6
-    assert transport.unwritten({"CopyToGroup": namespace["Twice"]}) == ["Twice.backward"]
+    assert package.blank == ["Twice.backward"]
     assert package.where(name, 6) == "line 2 of Twice.forward"
 
 

@@ -83,7 +83,7 @@ class Check:
             package = transport.pack(self.objects, forbidden)
         except transport.SourceError as exc:
             raise LabFailure(str(exc)) from None
-        if blank := transport.unwritten(self.objects):
+        if blank := package.blank:
             raise NotImplementedError(f"{', '.join(blank)} {'is' if len(blank) == 1 else 'are'} not written yet: "
                                       "replace the `raise NotImplementedError()` in the cell above with your code, "
                                       "run that cell, then this one")

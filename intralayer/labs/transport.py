@@ -4,13 +4,14 @@ cloudpickle sends a function or class defined in the notebook by value (code, he
 and constants it uses, aliases included) and one from an importable module by reference.
 :func:`pack` first follows the global names the code reads, as cloudpickle does, and refuses in
 words what should not travel: a notebook tensor or model (the check builds every input on the
-rank), a lambda, and what the lab forbids (its answer from the library). :func:`unwritten` finds
-a body that starts with ``raise NotImplementedError`` (a blank exercise); :meth:`Package.where`
-maps a frame of a rank's traceback to "line 3 of ring_all_reduce".
+rank), a lambda, and what the lab forbids (its answer from the library). It also finds the bodies
+that start with ``raise NotImplementedError`` (a blank exercise); :meth:`Package.where` maps a
+frame of a rank's traceback to "line 3 of ring_all_reduce".
 """
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dis
 import linecache
 import sys
@@ -27,23 +28,24 @@ class SourceError(AssertionError):
 
 @dataclass
 class Package:
-    """The pickled objects, and where the learner's functions are. Plain data only, so that a process
-    that runs none of the learner's code can hold it (the headless checker)."""
+    """The pickled objects, where the learner's functions are, and which are blank. Plain data only, so
+    that a process that runs none of the learner's code can hold it (the headless checker)."""
 
     payload: bytes
     spans: list[tuple[str, int, int, int, str]] = field(default_factory=list)   # file, first, last, def, name
     lines: dict[str, list[str]] = field(default_factory=dict)                   # each file's source lines
+    blank: list[str] = field(default_factory=list)                              # functions not written yet
 
     @property
     def files(self) -> list[str]:
-        return sorted({span[0] for span in self.spans})
+        return sorted(self.lines)
 
     def where(self, file: str, line: int) -> str | None:
         """'line 3 of ring_all_reduce' (1 = its def line) for a frame in the learner's code, else None."""
         inside = [s for s in self.spans if s[0] == file and s[1] <= line <= s[2]]
         if not inside:
             return None
-        _, _, _, start, name = max(inside, key=lambda s: s[1])
+        *_, start, name = max(inside, key=lambda s: s[1])
         return f"line {line - start + 1} of {name}"
 
     def line(self, file: str, line: int, width: int = 90) -> str:
@@ -62,23 +64,16 @@ def _codes(code: types.CodeType):
 def _span(fn: types.FunctionType) -> tuple[str, int, int, int, str]:
     code = fn.__code__
     last = max((line for c in _codes(code) for _, line in dis.findlinestarts(c) if line), default=code.co_firstlineno)
-    lines = range(code.co_firstlineno, last + 1)      # its def line: after any decorators
-    start = next((i for i in lines if linecache.getline(code.co_filename, i).lstrip().startswith(("def ", "async def "))),
-                 code.co_firstlineno)
+    start = next((i for i in range(code.co_firstlineno, last + 1)           # its def line: after any decorators
+                  if linecache.getline(code.co_filename, i).lstrip().startswith(("def ", "async def "))), code.co_firstlineno)
     return code.co_filename, code.co_firstlineno, last, start, fn.__qualname__
 
 
 def functions_of(obj) -> list[types.FunctionType]:
     """A function itself, or a class's own methods (static, class, property getters too)."""
-    if isinstance(obj, types.FunctionType):
-        return [obj]
-    found = []
-    for value in vars(obj).values():
-        fn = getattr(value, "__func__", value)
-        fn = fn.fget if isinstance(fn, property) else fn
-        if isinstance(fn, types.FunctionType):
-            found.append(fn)
-    return found
+    found = [obj] if isinstance(obj, types.FunctionType) else \
+        [getattr(v, "__func__", getattr(v, "fget", v)) for v in vars(obj).values()]
+    return [fn for fn in found if isinstance(fn, types.FunctionType)]
 
 
 def by_value(obj) -> bool:
@@ -92,11 +87,10 @@ def by_value(obj) -> bool:
 
 
 def _constant(value) -> bool:
-    if isinstance(value, (bool, int, float, str, type(None), torch.dtype)):
-        return True
     if isinstance(value, dict):
         return all(_constant(k) and _constant(v) for k, v in value.items())
-    return isinstance(value, (tuple, list, frozenset, set)) and all(_constant(v) for v in value)
+    return isinstance(value, (bool, int, float, str, type(None), torch.dtype)) or \
+        isinstance(value, (tuple, list, frozenset, set)) and all(_constant(v) for v in value)
 
 
 def read_globals(fn: types.FunctionType) -> list[tuple[str, object]]:
@@ -105,59 +99,9 @@ def read_globals(fn: types.FunctionType) -> list[tuple[str, object]]:
                           if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"))
     found = [(n, fn.__globals__[n]) for n in names if n in fn.__globals__]
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
-        try:
+        with contextlib.suppress(ValueError):                   # a cell not filled yet
             found.append((name, cell.cell_contents))
-        except ValueError:                                      # a cell not filled yet
-            pass
     return found
-
-
-def _learners(objects: dict[str, object]):
-    """Every function and class of the learner's that ``objects`` use: (name it is used by, object, who uses it)."""
-    own = {getattr(obj, "__module__", None) for obj in objects.values()}
-    todo, seen = [(name, obj, obj.__qualname__) for name, obj in objects.items()], set()
-    while todo:
-        name, obj, shown = todo.pop(0)
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        yield name, obj, shown
-        for fn in functions_of(obj):
-            for used, value in read_globals(fn):
-                if isinstance(value, (types.FunctionType, type)) and (by_value(value) or value.__module__ in own):
-                    todo.append((used, value, value.__qualname__))
-        todo += [(b.__name__, b, b.__qualname__) for b in getattr(obj, "__bases__", ()) if b is not object and by_value(b)]
-
-
-def pack(objects: dict[str, object], forbidden=None) -> Package:
-    """The package of ``objects`` (``{name the check uses: object}``) and of the learner's functions and
-    classes they use, each under the name its caller uses (an alias too). ``forbidden(name, value)``
-    may return why a global cannot be used; it is raised as :class:`SourceError`."""
-    for shown, obj in objects.items():
-        if not isinstance(obj, (types.FunctionType, type)):
-            raise SourceError(f"{shown} is a {type(obj).__name__}, not a function or class defined in the notebook")
-        if forbidden is not None and (why := forbidden(shown, obj)):
-            raise SourceError(f"{obj.__name__} comes from {obj.__module__}: {why}")
-    uses, functions = {}, []
-    for name, obj, shown in _learners(objects):
-        uses.setdefault(name, obj)
-        uses.setdefault(obj.__name__, obj)
-        if obj.__name__ == "<lambda>":
-            raise SourceError(f"{shown} is a lambda, which cannot be sent to the ranks: write it as a def")
-        for fn in functions_of(obj):
-            functions.append(fn)
-            for used, value in read_globals(fn):
-                if forbidden is not None and (why := forbidden(used, value)):
-                    raise SourceError(f"{shown} uses {used}: {why}")
-                if not (isinstance(value, (types.ModuleType, types.BuiltinFunctionType, types.FunctionType, type))
-                        or _constant(value) or getattr(builtins, used, None) is value):
-                    raise SourceError(
-                        f"{shown} uses the notebook variable {used} (a {type(value).__name__}), which cannot be "
-                        "sent to the ranks: only functions, classes, modules and constants travel. Create it "
-                        "inside the function, or pass it in as an argument.")
-    spans = [_span(fn) for fn in functions]
-    lines = {file: linecache.getlines(file) for file in {span[0] for span in spans}}
-    return Package(cloudpickle.dumps({**uses, **objects}), spans, lines)
 
 
 def _blank(fn: types.FunctionType) -> bool:
@@ -168,8 +112,41 @@ def _blank(fn: types.FunctionType) -> bool:
         and ins[1].opname == "RAISE_VARARGS"
 
 
-def unwritten(objects: dict[str, object]) -> list[str]:
-    """Qualified names of the functions and methods (the handed ones and the learner's they use) whose
-    body starts with ``raise NotImplementedError``."""
-    found = [fn.__qualname__ for _, obj, _ in _learners(objects) for fn in functions_of(obj) if _blank(fn)]
-    return list(dict.fromkeys(found))
+def pack(objects: dict[str, object], forbidden=None) -> Package:
+    """The package of ``objects`` (``{name the check uses: object}``) and of the learner's functions and
+    classes they use (those of the notebook, or of the objects' own modules), each under the name its
+    caller uses (an alias too). ``forbidden(name, value)`` may return why a global cannot be used; it is
+    raised as :class:`SourceError`, as is a lambda or a notebook variable that is not a constant."""
+    for shown, obj in objects.items():
+        if not isinstance(obj, (types.FunctionType, type)):
+            raise SourceError(f"{shown} is a {type(obj).__name__}, not a function or class defined in the notebook")
+        if forbidden is not None and (why := forbidden(shown, obj)):
+            raise SourceError(f"{obj.__name__} comes from {obj.__module__}: {why}")
+    own, uses, functions = {getattr(obj, "__module__", None) for obj in objects.values()}, {}, []
+    todo, seen = list(objects.items()), set()
+    while todo:                                                 # breadth first, as the objects use them
+        name, obj = todo.pop(0)
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        uses.setdefault(name, obj)
+        uses.setdefault(obj.__name__, obj)
+        if obj.__name__ == "<lambda>":
+            raise SourceError(f"{obj.__qualname__} is a lambda, which cannot be sent to the ranks: write it as a def")
+        todo += [(b.__name__, b) for b in getattr(obj, "__bases__", ()) if b is not object and by_value(b)]
+        for fn in functions_of(obj):
+            functions.append(fn)
+            for used, value in read_globals(fn):
+                if forbidden is not None and (why := forbidden(used, value)):
+                    raise SourceError(f"{obj.__qualname__} uses {used}: {why}")
+                if isinstance(value, (types.FunctionType, type)) and (by_value(value) or value.__module__ in own):
+                    todo.append((used, value))
+                elif not (isinstance(value, (types.ModuleType, types.BuiltinFunctionType, types.FunctionType, type))
+                          or _constant(value) or getattr(builtins, used, None) is value):
+                    raise SourceError(
+                        f"{obj.__qualname__} uses the notebook variable {used} (a {type(value).__name__}), which "
+                        "cannot be sent to the ranks: only functions, classes, modules and constants travel. Create "
+                        "it inside the function, or pass it in as an argument.")
+    spans = [_span(fn) for fn in functions]
+    return Package(cloudpickle.dumps({**uses, **objects}), spans, {f: linecache.getlines(f) for f, *_ in spans},
+                   list(dict.fromkeys(fn.__qualname__ for fn in functions if _blank(fn))))
