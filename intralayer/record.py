@@ -1,18 +1,13 @@
 """The one recorder of communication: every c10d operator a rank issues, seen by the dispatcher.
 
-Every ``torch.distributed`` call that moves data (``send``, ``isend``, ``batch_isend_irecv``,
-``all_reduce``, ``all_gather_into_tensor``, ``all_to_all_single``, …) reaches the dispatcher as
-a ``c10d`` operator. A :class:`Recorder`, a ``TorchDispatchMode`` (the mechanism of torch's own
-``CommDebugMode``), turns each into a :class:`Call`: operation, the group's global ranks, peer,
-size *S* as nccl-tests defines it, an all-to-all's splits, and on request a copy of a send.
-:func:`intralayer.comm.accounting` and the labs' rank side (:func:`intralayer.labs.runner.watch`)
-both use it.
-
-Measured on the pinned torch 2.13 with gloo: ``send``, ``recv_`` (also from ``irecv`` and
-``batch_isend_irecv``), ``allreduce_``, ``allgather_``, ``_allgather_base_``,
-``_reduce_scatter_base_``, ``alltoall_base_`` and ``broadcast_`` reach the mode on CPU tensors.
-What it does not see is a request's ``wait()`` (a method of ``Work``, not an operator): the
-labs wrap it, ``comm`` times its own waits.
+Each ``torch.distributed`` call that moves data (``send``, ``batch_isend_irecv``, ``all_reduce``,
+``all_to_all_single``, …) reaches the dispatcher as a ``c10d`` operator. A :class:`Recorder`, a
+``TorchDispatchMode`` (the mechanism of torch's own ``CommDebugMode``), turns each into a
+:class:`Call`; :mod:`intralayer.comm`'s accounting and the labs' :func:`~intralayer.labs.runner.watch`
+use it. Measured on the pinned torch 2.13 with gloo: ``send``, ``recv_`` (also from ``irecv`` and
+``batch_isend_irecv``), ``allreduce_``, ``allgather_``, ``_allgather_base_``, ``_reduce_scatter_base_``,
+``alltoall_base_`` and ``broadcast_`` reach the mode on CPU tensors. A request's ``wait()`` does not
+(a method of ``Work``, not an operator): the labs wrap it, ``comm`` times its own waits.
 """
 from __future__ import annotations
 
@@ -73,8 +68,8 @@ class Mode(TorchDispatchMode):
 
 
 class Recorder(Mode):
-    """Inside ``with Recorder() as r:`` every data-moving c10d call is appended to ``r.calls``.
-    Subclasses may refuse a call before it runs (:meth:`admit`) or see what it returned (:meth:`issued`)."""
+    """Inside ``with Recorder() as r:`` every data-moving c10d call is appended to ``r.calls``. A subclass
+    may refuse a call before it runs (``admit``), see what it returned (``issued``), or keep the calls elsewhere."""
 
     copy_sends = False
 
@@ -83,28 +78,24 @@ class Recorder(Mode):
         self.calls: list[Call] = []
 
     def admit(self, op: str, group) -> None:
-        """Called before the operation runs; raise to refuse it."""
+        pass
 
     def issued(self, op: str, out) -> None:
-        """Called with what the operator returned."""
+        pass
 
     def record(self, calls: list[Call]) -> None:
         self.calls.extend(calls)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        spec = _OPS.get(func._opname) if func.namespace == "c10d" else None
-        if spec is None:
+        if (spec := _OPS.get(func._opname) if func.namespace == "c10d" else None) is None:
             return func(*args, **kwargs)
-        op, sized, peer = spec
+        (op, sized, peer), point = spec, spec[0] in ("send", "recv")
         named = {**{a.name: v for a, v in zip(func._schema.arguments, args)}, **kwargs}
-        group = dist.ProcessGroup.unbox(named["process_group"])
-        self.admit(op, group)
+        self.admit(op, group := dist.ProcessGroup.unbox(named["process_group"]))
         tensors, members = _tensors(named[sized]), tuple(dist.get_process_group_ranks(group))
-        reduce = named.get("reduce_op")
-        reduce = dist.ReduceOp.RedOpType(reduce.op()).name if reduce is not None else \
+        reduce = dist.ReduceOp.RedOpType(named["reduce_op"].op()).name if named.get("reduce_op") is not None else \
             ("SUM" if op in ("all_reduce", "reduce_scatter") else None)
-        point = op in ("send", "recv")
         calls = [Call(op, members, None if peer is None else int(named[peer]), t.numel(), t.element_size(),
                       t.detach().clone() if op == "send" and self.copy_sends else None, reduce,
                       tuple(named.get("input_split_sizes") or ())) for t in (tensors if point else tensors[:1])]

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 
-
 @dataclass(frozen=True)
 class Param:
     """A case parameter: its default, and the values it may take (a fixed set, or whole numbers ≥ minimum)."""
@@ -71,7 +70,9 @@ class Part:
 _PARTS: dict[str, Part] = {}
 
 
-def _register(part: Part) -> Part:
+def _register(**fields) -> Part:
+    """A new part of the chapter whose module called :func:`lab` or :func:`hunt`."""
+    part = Part(chapter=sys._getframe(2).f_globals["__name__"].rsplit(".ch", 1)[-1], **fields)
     if part.name in _PARTS:
         raise ValueError(f"two lab parts are named {part.name!r}")
     _PARTS[part.name] = part
@@ -82,11 +83,9 @@ def lab(name: str, objects: tuple[str, ...], *, params=None, forbid_ops=frozense
         summary=None):
     """Register the decorated rank-side check as lab part ``name`` (the fields of :class:`Part`). The
     forbidden operations are refused while the whole check runs: its own code must not use them."""
-    chapter = sys._getframe(1).f_globals["__name__"].rsplit(".ch", 1)[-1]
-
     def deco(run: Callable) -> Callable:
-        _register(Part(name, chapter, "lab", tuple(objects), run, dict(params or {}), frozenset(forbid_ops),
-                       tuple(forbid_modules), why, summary))
+        _register(name=name, kind="lab", objects=tuple(objects), run=run, params=dict(params or {}),
+                  forbid_ops=frozenset(forbid_ops), forbid_modules=tuple(forbid_modules), why=why, summary=summary)
         return run
     return deco
 
@@ -99,9 +98,8 @@ def hunt(name: str, test: str, implementations: dict[str, Implementation], *, hi
     def run(ns, case, group) -> dict:
         getattr(ns, test)(implementations[case["impl"]].function, group)     # raises if the test fails
         return {"problems": [], "facts": {}}
-    chapter = sys._getframe(1).f_globals["__name__"].rsplit(".ch", 1)[-1]
-    return _register(Part(name, chapter, "hunt", (test,), run, {"impl": Param(next(iter(implementations)),
-                     tuple(implementations))}, implementations=dict(implementations), hint=hint))
+    return _register(name=name, kind="hunt", objects=(test,), run=run, implementations=dict(implementations),
+                     params={"impl": Param(next(iter(implementations)), tuple(implementations))}, hint=hint)
 
 
 def every() -> list[Part]:
