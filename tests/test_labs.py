@@ -271,8 +271,7 @@ def test_helpers_constants_and_aliases_travel_by_value():
     assert cloudpickle.loads(package.payload)["ring_all_reduce"](2, None) == 6
     assert {span[-1] for span in package.spans} == {"uses_helper", "helper"}     # helper: of the same module
     line = uses_helper.__code__.co_firstlineno + 1
-    assert package.where(__file__, line) == "line 2 of uses_helper"
-    assert package.line(__file__, line) == "return helper(x)"
+    assert package.at([(__file__, line)]) == " at line 2 of uses_helper: `return helper(x)`"
 
 
 def test_what_cannot_travel_is_refused_in_words():
@@ -311,7 +310,7 @@ def test_a_notebook_class_travels_and_its_blank_method_is_found():
     package = transport.pack({"CopyToGroup": namespace["Twice"]})
     assert cloudpickle.loads(package.payload)["CopyToGroup"].forward(None, 3, None) == 6
     assert package.blank == ["Twice.backward"]
-    assert package.where(name, 6) == "line 2 of Twice.forward"
+    assert package.at([(name, 6)], code=False) == " at line 2 of Twice.forward"
 
 
 def test_a_blank_exercise_is_refused_before_anything_starts():

@@ -158,15 +158,6 @@ class _Verdict:
         self.check, self.part, self.package, self.job = check, check.part, package, job
         self.outcomes, self.deadline, self.seconds = outcomes, deadline, seconds
 
-    def where(self, frames, code: bool = True) -> str:
-        """' at line 3 of f: `code` (called from line 9 of g)': the learner's frames only."""
-        places = [(p, f, n) for f, n, *_ in frames if (p := self.package.where(f, n))]
-        if not places:
-            return ""
-        (place, file, line), callers = places[-1], [p[0] for p in places[:-1]][-3:]
-        return f" at {place}" + (f": `{self.package.line(file, line)}`" if code else "") + \
-            (f" (called from {', '.join(reversed(callers))})" if callers and code else "")
-
     def result(self):
         outs = self.outcomes
         if any(o.exitcode is None for o in outs) or any(len(o.messages) <= self.job for o in outs):
@@ -201,11 +192,11 @@ class _Verdict:
         """Why processes did not finish the job: still running at the deadline, or ended early."""
         missing = [o for o in self.outcomes if len(o.messages) <= self.job]
         if late:                                    # where each was stopped: the stack it printed on SIGTERM
-            stacks = {o.rank: [(m[1], int(m[2])) for m in re.finditer(r'File "([^"]+)", line (\d+)', o.stderr)
-                               if self.package.where(m[1], int(m[2]))][:1] for o in missing}
+            stacks = {o.rank: next((at for m in re.finditer(r'File "([^"]+)", line (\d+)', o.stderr)
+                                    if (at := self.package.at([(m[1], int(m[2]))]))), "") for o in missing}
             done = [str(o.rank) for o in self.outcomes if o not in missing]
             lines = [s.replace("every rank", "every process") for s in _grouped(
-                [(f"process {o.rank}", f"was still running{self.where(stacks[o.rank]) or ' (outside your code)'}")
+                [(f"process {o.rank}", f"was still running{stacks[o.rank] or ' (outside your code)'}")
                  for o in missing], len(self.outcomes))]
             lines += [f"process{'es' if len(done) > 1 else ''} {', '.join(done)} had already finished "
                       f"{'their' if len(done) > 1 else 'its'} cases"] if done else []
@@ -230,12 +221,12 @@ class _Verdict:
         waits = [o for o in found if o.get("error") and (o["error"]["timed_out"] or o["error"]["lost_peer"])]
         roots = [o for o in found if o.get("error") and o not in waits]
         said = [(_who(o), f"raised {o['error']['type']}" + (f": {o['error']['message']}" if o["error"]["message"] else "")
-                 + self.where(o["error"]["frames"])) for o in roots]
+                 + self.package.at(o["error"]["frames"])) for o in roots]
         unwritten = next((f"{w} {s}" for (w, s), o in zip(said, roots) if o["error"]["type"] == "NotImplementedError"), None)
         why = ("after a peer had failed" if roots else "a send with no matching receive (or a receive with no send, "
                "or a collective that not every rank of the group called): a deadlock")
         stuck = [(_who(o), f"{'timed out waiting' if o['error']['timed_out'] else 'lost its peer'}"
-                  f"{self.where(o['error']['frames'])}: {why}") for o in waits]
+                  f"{self.package.at(o['error']['frames'])}: {why}") for o in waits]
         stuck += [(_who(o), "had already returned (it was not waiting for anyone)") for o in found if waits and not o.get("error")]
         return _grouped(said, len(found)) + _grouped(stuck, len(found)), unwritten
 
@@ -271,7 +262,7 @@ class _Verdict:
                         "should check what it can"], None
         first = next(o for o in found if o.get("error"))
         return (f"{test} catches the bug on {case['ranks']} ranks ({case['impl']}: {_who(first)} raised "
-                f"{first['error']['type']}{self.where(first['error']['frames'], code=False)})"), [], None
+                f"{first['error']['type']}{self.package.at(first['error']['frames'], code=False)})"), [], None
 
 
 def show(name: str) -> None:

@@ -5,8 +5,8 @@ and constants it uses, aliases included) and one from an importable module by re
 :func:`pack` first follows the global names the code reads, as cloudpickle does, and refuses in
 words what should not travel: a notebook tensor or model (the check builds every input on the
 rank), a lambda, and what the lab forbids (its answer from the library). It also finds the bodies
-that start with ``raise NotImplementedError`` (a blank exercise); :meth:`Package.where` maps a
-frame of a rank's traceback to "line 3 of ring_all_reduce".
+that start with ``raise NotImplementedError`` (a blank exercise); :meth:`Package.at` maps a
+rank's traceback to "at line 3 of ring_all_reduce: `its code`".
 """
 from __future__ import annotations
 
@@ -40,18 +40,20 @@ class Package:
     def files(self) -> list[str]:
         return sorted(self.lines)
 
-    def where(self, file: str, line: int) -> str | None:
-        """'line 3 of ring_all_reduce' (1 = its def line) for a frame in the learner's code, else None."""
-        inside = [s for s in self.spans if s[0] == file and s[1] <= line <= s[2]]
-        if not inside:
-            return None
-        *_, start, name = max(inside, key=lambda s: s[1])
-        return f"line {line - start + 1} of {name}"
-
-    def line(self, file: str, line: int, width: int = 90) -> str:
-        lines = self.lines.get(file, [])
-        text = lines[line - 1].strip() if 0 < line <= len(lines) else ""
-        return text if len(text) <= width else text[:width - 1] + "…"
+    def at(self, frames, code: bool = True) -> str:
+        """' at line 3 of f: `its code` (called from line 9 of g)' for the learner's innermost frame among
+        ``frames`` (file, line, ...; outermost first), line 1 being the def line; '' if none is the learner's."""
+        places = []
+        for file, line, *_ in frames:
+            if inside := [s for s in self.spans if s[0] == file and s[1] <= line <= s[2]]:
+                *_, start, name = max(inside, key=lambda s: s[1])
+                places.append((f"line {line - start + 1} of {name}", file, line))
+        if not places:
+            return ""
+        (place, file, line), callers = places[-1], [p[0] for p in places[:-1]][-3:]
+        text = self.lines[file][line - 1].strip() if 0 < line <= len(self.lines[file]) else ""
+        return f" at {place}" + (f": `{text if len(text) <= 90 else text[:89] + '…'}`" if code else "") + \
+            (f" (called from {', '.join(reversed(callers))})" if callers and code else "")
 
 
 def _codes(code: types.CodeType):
