@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import re
-import time
 import types
 from dataclasses import dataclass, field
 
@@ -33,8 +32,6 @@ class Report:
 
     part: str
     lines: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    start_method: str = ranks.START_METHOD
 
     def __str__(self) -> str:
         return "\n".join(self.lines)
@@ -129,10 +126,9 @@ def run_many(checks: list[Check], deadline: float = DEADLINE_S, group_timeout: f
     if ready := [i for i, r in enumerate(results) if isinstance(r, transport.Package)]:
         jobs = [{"part": checks[i].part.name, "payload": results[i].payload, "cases": checks[i].cases,
                  "files": results[i].files} for i in ready]
-        start = time.monotonic()
         outcomes = ranks.run(runner.run_jobs, runner.WORLD, (jobs, group_timeout), deadline=deadline)
         for job, i in enumerate(ready):
-            results[i] = _Verdict(checks[i], results[i], job, outcomes, deadline, time.monotonic() - start).result()
+            results[i] = _Verdict(checks[i], results[i], job, outcomes, deadline).result()
     return results
 
 
@@ -154,15 +150,15 @@ def _grouped(pairs: list[tuple[str, str]], everyone: int, sep: str = " ") -> lis
 class _Verdict:
     """What the ranks found for one check's job, in words."""
 
-    def __init__(self, check, package, job, outcomes, deadline, seconds):
-        self.check, self.part, self.package, self.job = check, check.part, package, job
-        self.outcomes, self.deadline, self.seconds = outcomes, deadline, seconds
+    def __init__(self, check, package, job, outcomes, deadline):
+        self.check, self.part, self.package, self.job, self.outcomes, self.deadline = \
+            check, check.part, package, job, outcomes, deadline
 
     def result(self):
         outs = self.outcomes
         if any(o.exitcode is None for o in outs) or any(len(o.messages) <= self.job for o in outs):
             return LabFailure(self.unfinished(any(o.exitcode is None for o in outs)))
-        report, blocks, shown, unwritten = Report(self.part.name, seconds=self.seconds), [], 0, None
+        report, blocks, shown, unwritten = Report(self.part.name), [], 0, None
         for c, case in enumerate(self.check.cases):
             found = [f for o in outs if (f := o.messages[self.job]["cases"][c])]
             line, problems, missing = (self.hunt_case if self.part.kind == "hunt" else self.lab_case)(case, found)
