@@ -54,6 +54,13 @@ class Outcome:
         return self.error is None and self.exitcode == 0
 
 
+def seconds(name: str, value) -> float:
+    """``value`` if it is a positive, finite number of seconds, else ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"{name}={value!r} must be a positive, finite number of seconds")
+    return value
+
+
 def error_info(exc: BaseException) -> dict:
     """An exception as plain data: type, message, every frame (file, line, qualified name)."""
     frames = [(f.f_code.co_filename, line, f.f_code.co_qualname) for f, line in traceback.walk_tb(exc.__traceback__)]
@@ -127,8 +134,7 @@ def run(target, world: int, args: tuple = (), *, deadline: float = 60.0, env: di
     """
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"world={world!r} must be a whole number of ranks ≥ 1")
-    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not 0 < deadline < float("inf"):
-        raise ValueError(f"deadline={deadline!r} must be a positive, finite number of seconds")
+    seconds("deadline", deadline)
     folder = tempfile.mkdtemp(prefix="intralayer-ranks-")
     with socket.socket() as sock:                   # for a program that meets by env:// itself
         sock.bind(("127.0.0.1", 0))

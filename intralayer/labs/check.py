@@ -37,7 +37,6 @@ class Report:
         return "\n".join(self.lines)
 
 
-
 class Check:
     """One graded check: a lab part or bug hunt, the learner's objects, and the cases to run."""
 
@@ -72,12 +71,8 @@ class Check:
             raise ValueError(f"{self.part.name}: add at least one case with .on(ranks=...) before run()")
         if self._package is not None:
             return self._package
-
-        def forbidden(name, value):
-            module = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", "") or ""
-            return self.part.why if any(module == m or module.startswith(m + ".") for m in self.part.forbid_modules) else None
         try:
-            package = transport.pack(self.objects, forbidden)
+            package = transport.pack(self.objects, self.part.forbid_modules, self.part.why)
         except transport.SourceError as exc:
             raise LabFailure(str(exc)) from None
         if blank := package.blank:
@@ -111,10 +106,7 @@ def progress(chapter: str) -> None:
 def run_many(checks: list[Check], deadline: float = DEADLINE_S, group_timeout: float = GROUP_TIMEOUT_S) -> list:
     """Several checks in one start of the ranks; for each, its :class:`Report` or the exception its
     :meth:`Check.run` would raise (a check that fails before starting starts nothing)."""
-    for value, what in ((deadline, "deadline"), (group_timeout, "group_timeout")):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-            raise ValueError(f"{what}={value!r} must be a positive, finite number of seconds")
-    if group_timeout >= deadline:
+    if ranks.seconds("deadline", deadline) and ranks.seconds("group_timeout", group_timeout) and group_timeout >= deadline:
         raise ValueError(f"group_timeout={group_timeout} must be shorter than deadline={deadline}: a deadlock "
                          "should be reported before the whole check is stopped")
     results = []

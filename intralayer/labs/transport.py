@@ -114,15 +114,19 @@ def _blank(fn: types.FunctionType) -> bool:
         and ins[1].opname == "RAISE_VARARGS"
 
 
-def pack(objects: dict[str, object], forbidden=None) -> Package:
+def pack(objects: dict[str, object], forbid_modules: tuple[str, ...] = (), why: str = "") -> Package:
     """The package of ``objects`` (``{name the check uses: object}``) and of the learner's functions and
     classes they use (those of the notebook, or of the objects' own modules), each under the name its
-    caller uses (an alias too). ``forbidden(name, value)`` may return why a global cannot be used; it is
-    raised as :class:`SourceError`, as is a lambda or a notebook variable that is not a constant."""
+    caller uses (an alias too). :class:`SourceError` for what comes from ``forbid_modules`` (saying
+    ``why``), a lambda, and a notebook variable that is not a constant."""
+    def forbidden(value) -> bool:
+        module = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", "") or ""
+        return any(module == m or module.startswith(m + ".") for m in forbid_modules)
+
     for shown, obj in objects.items():
         if not isinstance(obj, (types.FunctionType, type)):
             raise SourceError(f"{shown} is a {type(obj).__name__}, not a function or class defined in the notebook")
-        if forbidden is not None and (why := forbidden(shown, obj)):
+        if forbidden(obj):
             raise SourceError(f"{obj.__name__} comes from {obj.__module__}: {why}")
     own, uses, functions = {getattr(obj, "__module__", None) for obj in objects.values()}, {}, []
     todo, seen = list(objects.items()), set()
@@ -139,7 +143,7 @@ def pack(objects: dict[str, object], forbidden=None) -> Package:
         for fn in functions_of(obj):
             functions.append(fn)
             for used, value in read_globals(fn):
-                if forbidden is not None and (why := forbidden(used, value)):
+                if forbidden(value):
                     raise SourceError(f"{obj.__qualname__} uses {used}: {why}")
                 if isinstance(value, (types.FunctionType, type)) and (by_value(value) or value.__module__ in own):
                     todo.append((used, value))
