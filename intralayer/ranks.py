@@ -142,14 +142,15 @@ def run(target, world: int, args: tuple = (), *, deadline: float = 60.0, env: di
     outcomes, procs, conns = [Outcome(r) for r in range(world)], [], {}
     try:
         for r in range(world):
-            conns[(receive := multiprocessing.Pipe(duplex=False))[0]] = r
-            procs.append(_start((r, world, folder, target, args, env, receive[1], int(deadline + 3 * GRACE_S + 5))))
-            receive[1].close()
+            receive, send = multiprocessing.Pipe(duplex=False)
+            conns[receive] = r
+            procs.append(_start((r, world, folder, target, args, env, send, int(deadline + 3 * GRACE_S + 5))))
+            send.close()
         _collect(procs, dict(conns), outcomes, time.monotonic() + deadline, stop_on_failure)
         stop(procs)                                 # the late ones print their stacks, then end
-        for o, k in ((o, k) for o in outcomes for k in ("out", "err")):
-            setattr(o, f"std{k}", Path(folder, f"rank{o.rank}.{k}").read_text(errors="replace")
-                    if Path(folder, f"rank{o.rank}.{k}").exists() else "")
+        for o in outcomes:
+            o.stdout, o.stderr = (f.read_text(errors="replace") if (f := Path(folder, f"rank{o.rank}.{k}")).exists()
+                                  else "" for k in ("out", "err"))
         return outcomes
     finally:
         stop(procs)
