@@ -54,11 +54,10 @@ class Outcome:
         return self.error is None and self.exitcode == 0
 
 
-def seconds(name: str, value) -> float:
-    """``value`` if it is a positive, finite number of seconds, else ``ValueError`` naming ``name``."""
+def seconds(name: str, value) -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is a positive, finite number of seconds."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
         raise ValueError(f"{name}={value!r} must be a positive, finite number of seconds")
-    return value
 
 
 def error_info(exc: BaseException) -> dict:

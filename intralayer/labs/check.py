@@ -51,9 +51,11 @@ class Check:
         """Add a case: a group of ``ranks`` ranks (2, 3 or 4) and the part's parameters. A bug hunt's
         ``impl`` names the implementation(s) to run the test against; by default every one the graders use."""
         impls = params.pop("impl", None)
-        if impls is None and self.part.kind == "hunt":
-            impls = tuple(self.part.implementations)
-        for impl in (impls,) if impls is None or isinstance(impls, str) or self.part.kind != "hunt" else impls:
+        if self.part.kind != "hunt" or isinstance(impls, str):
+            impls = [impls]
+        elif impls is None:
+            impls = list(self.part.implementations)
+        for impl in impls:
             self.cases.append(self.part.case(ranks, params if impl is None else {**params, "impl": impl}))
         return self
 
@@ -106,7 +108,9 @@ def progress(chapter: str) -> None:
 def run_many(checks: list[Check], deadline: float = DEADLINE_S, group_timeout: float = GROUP_TIMEOUT_S) -> list:
     """Several checks in one start of the ranks; for each, its :class:`Report` or the exception its
     :meth:`Check.run` would raise (a check that fails before starting starts nothing)."""
-    if ranks.seconds("deadline", deadline) and ranks.seconds("group_timeout", group_timeout) and group_timeout >= deadline:
+    ranks.seconds("deadline", deadline)
+    ranks.seconds("group_timeout", group_timeout)
+    if group_timeout >= deadline:
         raise ValueError(f"group_timeout={group_timeout} must be shorter than deadline={deadline}: a deadlock "
                          "should be reported before the whole check is stopped")
     results = []
@@ -147,14 +151,15 @@ class _Verdict:
             check, check.part, package, job, outcomes, deadline
 
     def result(self):
-        outs = self.outcomes
-        if any(o.exitcode is None for o in outs) or any(len(o.messages) <= self.job for o in outs):
-            return LabFailure(self.unfinished(any(o.exitcode is None for o in outs)))
+        outs, late = self.outcomes, any(o.exitcode is None for o in self.outcomes)
+        if late or any(len(o.messages) <= self.job for o in outs):
+            return LabFailure(self.unfinished(late))
         report, blocks, shown, unwritten = Report(self.part.name), [], 0, None
         for c, case in enumerate(self.check.cases):
             found = [f for o in outs if (f := o.messages[self.job]["cases"][c])]
             line, problems, missing = (self.hunt_case if self.part.kind == "hunt" else self.lab_case)(case, found)
-            unwritten, report.lines = unwritten or missing, report.lines + ([line] if line else [])
+            unwritten = unwritten or missing
+            report.lines += [line] if line else []
             if problems and shown < MAX_LINES:
                 where = " and ".join(str(g) for g in runner.layout(case["ranks"]))
                 extra = "".join(f", {k} {v}" for k, v in case.items() if k not in ("ranks", "seed", "impl"))
@@ -220,11 +225,12 @@ class _Verdict:
 
     def lab_case(self, case: dict, found: list[dict]):
         errors, unwritten = self.errors(found)
-        if problems := errors[:4] or _grouped([(_who(o), p) for o in found for p in o.get("problems", [])], len(found), ": "):
+        problems = errors[:4] or _grouped([(_who(o), p) for o in found for p in o.get("problems", [])], len(found), ": ")
+        if problems:
             return "", problems, unwritten
         first = min(found, key=lambda o: (o["group"], o["group_rank"]))
-        return f"{self.part.name} passed on " + (self.part.summary(first["facts"]) if self.part.summary
-                                                 else f"{case['ranks']} ranks: correct"), [], None
+        line = self.part.summary(first["facts"]) if self.part.summary else f"{case['ranks']} ranks: correct"
+        return f"{self.part.name} passed on {line}", [], None
 
     def hunt_case(self, case: dict, found: list[dict]):
         if not found:                              # not run: an earlier case settled the verdict
@@ -240,9 +246,10 @@ class _Verdict:
         if impl.buggy and not errors:
             note = f" (the bug reported in {impl.source})" if impl.source else ""
             return "", [f"{test} passes on the buggy {what}{note}: it does not catch the bug"], None
+        if not impl.buggy and errors:
+            return "", [f"{test} fails on the correct {what}: {errors[0]}. A test must pass on a correct implementation"], None
         if not impl.buggy:
-            return (f"{test} passes on the correct implementation on {case['ranks']} ranks", [], None) if not errors else \
-                ("", [f"{test} fails on the correct {what}: {errors[0]}. A test must pass on a correct implementation"], None)
+            return f"{test} passes on the correct implementation on {case['ranks']} ranks", [], None
         if missed:                                 # each group of the case runs the test on its own
             return "", [f"{test} passes on the buggy {what} in the group of processes {list(missed[0])} and catches "
                         f"it only in {list(sorted(groups - set(missed))[0])}: a test must fail wherever the bug is — "
