@@ -62,7 +62,8 @@ def seconds(name: str, value) -> None:
 
 def error_info(exc: BaseException) -> dict:
     """An exception as plain data: type, message, every frame (file, line, qualified name)."""
-    frames = [(f.f_code.co_filename, line, f.f_code.co_qualname) for f, line in traceback.walk_tb(exc.__traceback__)]
+    frames = [(f.f_code.co_filename, line, getattr(f.f_code, "co_qualname", f.f_code.co_name))   # (3.10: no qualname)
+              for f, line in traceback.walk_tb(exc.__traceback__)]
     return {"type": type(exc).__name__, "message": str(exc).strip(), "frames": frames,
             "traceback": "".join(traceback.format_exception(exc))[-6000:]}
 

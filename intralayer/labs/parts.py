@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import sys
+import types
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -96,10 +97,19 @@ def hunt(name: str, test: str, implementations: dict[str, Implementation], *, hi
         raise ValueError(f"bug hunt {name}: it needs at least one buggy and one correct implementation")
 
     def run(ns, case, group) -> dict:
-        getattr(ns, test)(implementations[case["impl"]].function, group)     # raises if the test fails
-        return {"problems": [], "facts": {}}
+        getattr(ns, test)(_disguised(implementations[case["impl"]].function, test.removeprefix("test_")), group)
+        return {"problems": [], "facts": {}}                                 # (it raised if the test failed)
     return _register(name=name, kind="hunt", objects=(test,), run=run, implementations=dict(implementations),
                      params={"impl": Param(next(iter(implementations)), tuple(implementations))}, hint=hint)
+
+
+def _disguised(fn: Callable, name: str) -> Callable:
+    """``fn`` as a bug hunt's test meets it: called ``name`` (the function under test), with no docstring, so
+    that its name cannot tell a buggy implementation from the correct one, only what it does."""
+    code = fn.__code__.replace(co_name=name, **({"co_qualname": name} if hasattr(fn.__code__, "co_qualname") else {}))
+    twin = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    twin.__kwdefaults__, twin.__qualname__ = fn.__kwdefaults__, name
+    return twin
 
 
 def every() -> list[Part]:

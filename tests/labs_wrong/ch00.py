@@ -245,6 +245,11 @@ def test_own_loss_not_own_gradient(all_gather, group):
     assert not torch.allclose(x.grad, ws[me][2 * me:2 * me + 2])
 
 
+def test_by_name(all_gather, group):
+    """Tells the implementations apart by their names (the red team's find), testing nothing."""
+    assert all_gather.__name__ == "all_gather_sum", "this is not the correct implementation"
+
+
 WRONG = [
     ("ring_reduce_scatter_check", rs_no_communication, ["sent 0 messages", "it holds chunk 0 of rank 0 only; it should hold chunk 0 summed over all 2 ranks"]),
     ("ring_reduce_scatter_check", rs_whole_tensor, ["each step passes one chunk", "bytes; a ring reduce-scatter sends (n−1)/n·S"]),
@@ -267,4 +272,5 @@ WRONG = [
     ("test_all_gather_check", test_process_number, ["fails on the correct", "it used the global rank (the process number)"]),
     ("test_all_gather_check", test_same_loss_one_gradient, ["fails on the correct"]),
     ("test_all_gather_check", test_own_loss_not_own_gradient, ["passes on the buggy", "averages", "cellarium"]),
+    ("test_all_gather_check", test_by_name, ["fails on the correct"]),
 ]

@@ -206,6 +206,11 @@ def test_process_number(row_linear, group):
     assert torch.allclose(bias.grad, dense.bias.grad)
 
 
+def test_by_name(row_linear, group):
+    """Tells the implementations apart by their names (the red team's find), testing nothing."""
+    assert row_linear.__name__ == "row_linear", "this is not the correct implementation"
+
+
 WRONG = [
     ("reduce_from_group_check", GAllGatherSum, ["g's forward pass sent 1 all-gather", "one all-reduce"]),
     ("reduce_from_group_check", GStarAtRankZero, ["it used the global rank (the process number)", "dist.get_rank(group)"]),
@@ -221,4 +226,5 @@ WRONG = [
     ("test_row_linear_check", test_without_bias, ["passes on the buggy", "Hint"]),
     ("test_row_linear_check", test_always_fails, ["fails on the correct", "shape (5, 3)"]),
     ("test_row_linear_check", test_bias_grad_summed, ["fails on the correct"]),
+    ("test_row_linear_check", test_by_name, ["passes on the buggy", "does not catch the bug"]),
 ]

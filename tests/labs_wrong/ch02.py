@@ -155,6 +155,11 @@ def test_always_passes(greedy_token, group):
     greedy_token(hidden, mine, 2 * t + 1, group)
 
 
+def test_by_name(greedy_token, group):
+    """Tells the implementations apart by their names (the red team's find), testing nothing."""
+    assert greedy_token.__name__ == "greedy_token", "this is not the correct implementation"
+
+
 WRONG = [
     ("shard_mlp_check", shard_fc1_by_inputs, ["w1 has shape", "output features"]),
     ("shard_mlp_check", shard_views, ["not a leaf"]),
@@ -174,4 +179,5 @@ WRONG = [
     ("test_greedy_token_check", test_process_number, ["fails on the correct", "it used the global rank (the process number)"]),
     ("megatron_mlp_check", mlp_tanh_gelu, ["tanh approximation of GeLU", "approximate='none'"]),
     ("test_greedy_token_check", test_always_passes, ["passes on the buggy", "does not catch the bug"]),
+    ("test_greedy_token_check", test_by_name, ["passes on the buggy", "does not catch the bug"]),
 ]

@@ -363,6 +363,11 @@ def mlp_reusing_part1(x, p, group):
     return x + _ScatterSequence.apply(hidden @ p["w2"].T, group) + p["b2"]
 
 
+def test_by_name(sp_norm_linear, group):
+    """Tells the implementations apart by their names (the red team's find), testing nothing."""
+    assert sp_norm_linear.__name__ == "sp_norm_linear", "this is not the correct implementation"
+
+
 WRONG = [
     ("gather_sequence_check", GatherProcessNumber, ["x.grad is off", "it used the global rank (the process number)"]),
     ("sp_mlp_check", mlp_tanh_gelu, ["the output is off", "tanh approximation of GeLU", "approximate='none'"]),
@@ -396,4 +401,5 @@ WRONG = [
                                                                 "must pass on a correct implementation"]),
     ("test_sp_norm_linear_check", test_ln_grads_agree_across_ranks, ["passes on the buggy",
                                                                      "gradients averaged over the group"]),
+    ("test_sp_norm_linear_check", test_by_name, ["passes on the buggy", "does not catch the bug"]),
 ]

@@ -442,6 +442,11 @@ def test_against_own_block(ring_attention, group):
     assert torch.allclose(out, local, rtol=1e-10, atol=1e-10)
 
 
+def test_by_name(ring_attention, group):
+    """Tells the implementations apart by their names (the red team's find), testing nothing."""
+    assert ring_attention.__name__ == "ring_attention_correct", "this is not the correct implementation"
+
+
 WRONG = [
     ("ring_attention_check", ring_gather_then_dense, ["over 6 keys at once", "2 ranks' blocks", "one block of s/P = 3 keys at a time"]),
     ("ring_attention_check", ring_keeps_every_block, ["still held the key/value blocks of group ranks",
@@ -477,4 +482,5 @@ WRONG = [
                                                                 "keys and values that differ from rank to rank"]),
     ("test_ring_attention_check", test_against_own_block, ["fails on the correct",
                                                            "must pass on a correct implementation"]),
+    ("test_ring_attention_check", test_by_name, ["fails on the correct"]),
 ]

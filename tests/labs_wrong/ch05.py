@@ -206,6 +206,11 @@ def test_share_is_positive(balance_loss, group):
     assert float(balance_loss(every[me].clone(), choices[me], kept, group)) > 0
 
 
+def test_by_name(balance_loss, group):
+    """Tells the implementations apart by their names (the red team's find), testing nothing."""
+    assert balance_loss.__name__ == "balance_loss", "this is not the correct implementation"
+
+
 WRONG = [
     ("dispatch_check", dispatch_token_major, ["token by token", "first choice"]),
     ("dispatch_check", dispatch_no_capacity, ["past the capacity C"]),
@@ -275,4 +280,5 @@ WRONG += [
     ("test_balance_loss_check", test_own_share_only, ["fails on the correct", "must pass on a correct"]),
     ("test_balance_loss_check", test_with_own_dispatch, ["your dispatch from part 1 fails its check",
                                                          "past the capacity C"]),
+    ("test_balance_loss_check", test_by_name, ["passes on the buggy", "does not catch the bug"]),
 ]

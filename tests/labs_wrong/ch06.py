@@ -305,6 +305,11 @@ def moe_reusing_part1(x, expert_index, weights, w1, w3, w2, group):
     return torch.zeros_like(x).index_add(0, order // k, back * weights.reshape(-1)[order].unsqueeze(1))
 
 
+def test_by_name(expert_grads, group):
+    """Tells the implementations apart by their names (the red team's find), testing nothing."""
+    assert expert_grads.__name__ == "expert_grads", "this is not the correct implementation"
+
+
 WRONG = [
     ("ep_dispatch_check", dispatch_unstable_sort, ["received row", "it should hold rank"]),
     ("ep_dispatch_check", dispatch_expert_major, ["received row", "by source rank, then local expert"]),
@@ -330,4 +335,5 @@ WRONG = [
     ("test_expert_grads_check", test_same_tokens_everywhere, ["passes on the buggy", "not all-reduced"]),
     ("test_expert_grads_check", test_sum_of_rank_losses, ["fails on the correct"]),
     ("test_expert_grads_check", test_shapes_only, ["passes on the buggy", "does not catch the bug"]),
+    ("test_expert_grads_check", test_by_name, ["passes on the buggy", "does not catch the bug"]),
 ]

@@ -258,6 +258,11 @@ def test_shape_only(allgather_matmul, group):
     assert out.shape == (2 * t, 4)
 
 
+def test_by_name(allgather_matmul, group):
+    """Tells the implementations apart by their names (the red team's find), testing nothing."""
+    assert allgather_matmul.__name__ == "allgather_matmul", "this is not the correct implementation"
+
+
 WRONG = [
     ("ring_allgather_matmul_check", ag_waits_first, ["no receive in flight", "already waited"]),
     ("ring_allgather_matmul_check", ag_posts_after_product, ["no receive in flight", "not posted yet"]),
@@ -496,4 +501,5 @@ WRONG += [
     ("test_allgather_matmul_check", test_process_number, ["fails on the correct",
                                                           "it used the global rank (the process number)"]),
     ("test_allgather_matmul_check", test_two_ranks_only, ["passes on the buggy", "3 or more ranks"]),
+    ("test_allgather_matmul_check", test_by_name, ["passes on the buggy", "does not catch the bug"]),
 ]

@@ -191,6 +191,11 @@ def test_six_n(mfu, group):
     assert abs(mfu(model, 128, 1000.0, 1e12) - want) <= 1e-9 * want
 
 
+def test_by_name(mfu, group):
+    """Tells the implementations apart by their names (the red team's find), testing nothing."""
+    assert mfu.__name__ == "mfu", "this is not the correct implementation"
+
+
 WRONG = [
     ("mesh_ranks_check", place_swapped, ["are strided", "t consecutive ranks"]),
     ("mesh_ranks_check", place_from_zero, ["not in this group", "process numbers"]),
@@ -350,4 +355,6 @@ def test_rank0_only(mfu, group):
         assert abs(mfu(model, 128, 1000.0, 1e12) - want) <= 1e-9 * want
 
 
-WRONG += [("test_mfu_check", test_rank0_only, ["in the group of processes [1, 2]", "assert on one process only"])]
+WRONG += [("test_mfu_check", test_rank0_only, ["in the group of processes [1, 2]", "assert on one process only"]),
+          ("test_mfu_check", test_by_name, ["passes on the buggy", "does not catch the bug"]),
+]

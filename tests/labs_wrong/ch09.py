@@ -281,6 +281,12 @@ def test_always_passes(gather_kv_cache, group):
 MISPLACED = "head h taken from rank h // (heads per rank) (the bug reported in sgl-project/sglang#19086)"
 COUNTED = "its heads counted as heads per rank × t (the bug reported in sgl-project/sglang#19086)"
 
+
+def test_by_name(gather_kv_cache, group):
+    """Tells the implementations apart by their names (the red team's find), testing nothing."""
+    assert gather_kv_cache.__name__ == "gather_kv_cache", "this is not the correct implementation"
+
+
 WRONG = [
     ("tp_decode_block_check", decode_gathers_weights, ["also sent", "all-gather", "sent no all-reduce",
                                                        "the weights and the cache stay on their rank"]),
@@ -312,4 +318,5 @@ WRONG = [
                                                          "it used the global rank (the process number)"]),
     ("test_gather_kv_cache_check", test_on_process_zero_only, ["catches it only in", "assert on one process only"]),
     ("test_gather_kv_cache_check", test_always_passes, ["passes on the buggy", "does not catch the bug"]),
+    ("test_gather_kv_cache_check", test_by_name, ["passes on the buggy", "does not catch the bug"]),
 ]
