@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -48,6 +49,16 @@ _OPS = {"send": ("send", _T, "dst"), "recv_": ("recv", _T, "src"), "recv_any_sou
         "alltoall_": ("all_to_all", _I, None), "alltoall_base_": ("all_to_all", "input", None),
         "broadcast_": ("broadcast", _T, None), "reduce_": ("reduce", _T, None),
         "gather_": ("gather", _I, None), "scatter_": ("scatter", _O, None)}
+#: torch's functional collectives (``torch.distributed._functional_collectives``, which DTensor uses) reach the
+#: dispatcher as ``_c10d_functional`` operators, with no ``c10d`` one beneath them (measured on torch 2.13);
+#: their peers are global ranks. batch_p2p_ops names each tensor's operation in its op_list.
+_FUNCTIONAL = {**{name: (op, "input", None) for name, op in (
+    ("all_gather_into_tensor", "all_gather"), ("all_gather_into_tensor_out", "all_gather"), ("all_reduce", "all_reduce"),
+    ("all_reduce_", "all_reduce"), ("reduce_scatter_tensor", "reduce_scatter"), ("reduce_scatter_tensor_out",
+    "reduce_scatter"), ("all_to_all_single", "all_to_all"), ("broadcast", "broadcast"), ("broadcast_", "broadcast"))},
+    "all_gather_into_tensor_coalesced": ("all_gather", "inputs", None), "all_reduce_coalesced": ("all_reduce", "inputs", None),
+    "all_reduce_coalesced_": ("all_reduce", "inputs", None), "reduce_scatter_tensor_coalesced": ("reduce_scatter", "inputs", None),
+    "isend": ("send", "tensor", "dst"), "irecv": ("recv", "tensor", "src"), "batch_p2p_ops": (None, "tensors", "peer_list")}
 OPERATIONS = frozenset(op for op, _, _ in _OPS.values())
 COLLECTIVES = OPERATIONS - {"send", "recv"}
 
@@ -88,20 +99,28 @@ class Recorder(Mode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if (spec := _OPS.get(func._opname) if func.namespace == "c10d" else None) is None:
+        spec = {"c10d": _OPS, "_c10d_functional": _FUNCTIONAL}.get(func.namespace, {}).get(func._opname)
+        if spec is None:
             return func(*args, **kwargs)
-        (op, sized, peer), point = spec, spec[0] in ("send", "recv")
+        (op, sized, peer), functional = spec, func.namespace != "c10d"
         named = {**{a.name: v for a, v in zip(func._schema.arguments, args)}, **kwargs}
-        self.admit(op, group := dist.ProcessGroup.unbox(named["process_group"]))
+        group = dist.ProcessGroup.unbox(named["process_group"]) if not functional else named["group_name"] \
+            if isinstance(named["group_name"], dist.ProcessGroup) else c10d._resolve_process_group(named["group_name"])
         tensors, members = _tensors(named[sized]), tuple(dist.get_process_group_ranks(group))
-        reduce = dist.ReduceOp.RedOpType(named["reduce_op"].op()).name if named.get("reduce_op") is not None else \
-            ("SUM" if op in ("all_reduce", "reduce_scatter") else None)
-        calls = [Call(op, members, None if peer is None else int(named[peer]), t.numel(), t.element_size(),
-                      t.detach().clone() if op == "send" and self.copy_sends else None, reduce,
-                      tuple(named.get("input_split_sizes") or ())) for t in (tensors if point else tensors[:1])]
-        if calls and not point:                              # one call: S is the whole operand
-            calls[0].elements = sum(t.numel() for t in tensors)
+        ops = [("send" if o == "isend" else "recv") for o in named["op_list"]] if op is None else [op] * len(tensors)
+        peers = named[peer] if op is None else [named[peer]] * len(tensors) if peer else [None] * len(tensors)
+        for o in dict.fromkeys(ops):
+            self.admit(o, group)
+        reduce = named.get("reduce_op")
+        reduce = reduce.upper() if isinstance(reduce, str) else dist.ReduceOp.RedOpType(reduce.op()).name \
+            if reduce is not None else ("SUM" if op in ("all_reduce", "reduce_scatter") else None)
+        calls = [Call(o, members, None if p is None else dist.get_group_rank(group, p) if functional else int(p),
+                      t.numel(), t.element_size(), t.detach().clone() if o == "send" and self.copy_sends else None,
+                      reduce, tuple(named.get("input_split_sizes") or ()))
+                 for o, p, t in zip(ops, peers, tensors) if o in ("send", "recv") or t is tensors[0]]
+        if calls and calls[0].op not in ("send", "recv"):      # one call: S is the whole operand (gathered)
+            calls[0].elements = sum(t.numel() for t in tensors) * (named.get("group_size", 1) if op == "all_gather" else 1)
         self.record(calls)
         out = func(*args, **kwargs)
-        self.issued(op, out)
+        self.issued(ops[0] if ops else op, out)
         return out

@@ -123,6 +123,21 @@ def test_every_wrong_answer_is_rejected_in_words(chapter):
     print(f"{chapter}: {len(checks)} wrong answers rejected in {seconds:.1f} s")
 
 
+RIGHT = [c for c in WRONG if hasattr(importlib.import_module(f"tests.labs_wrong.{c}"), "RIGHT")]
+
+
+@pytest.mark.parametrize("chapter", RIGHT)
+def test_right_answers_in_unusual_forms_pass(chapter):
+    """A correct answer written another way (``RIGHT`` in tests/labs_wrong/chNN.py) passes every case of its
+    check cell, hidden ones included: a check must not reject a right answer either."""
+    module = importlib.import_module(f"tests.labs_wrong.{chapter}")
+    solution = next(p for p in LABS if p.name.startswith(chapter[2:] + "_"))
+    results = labs.run_many([check_for(solution, gid, answer) for gid, answer in module.RIGHT])
+    wrong = [f"{answer.__name__} ({gid}): {result}" for (gid, answer), result in zip(module.RIGHT, results)
+             if not isinstance(result, labs.Report)]
+    assert not wrong, "\n\n".join(wrong)
+
+
 # ---------------------------------------------------------------------------- hangs and crashes
 
 def _ring_source(body: str):

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from .parts import Implementation, Param, hunt, lab
 from .common import calls_of, differ, earlier_part, group_info
+from ..record import Call
 from .runner import COLLECTIVES, FLIGHT, Mode, watch
 
 #: float64. The longest sums are over s = 12 keys (and s·b rows of a gradient) of terms up to
@@ -118,6 +119,20 @@ def ring_links(calls, n: int, me: int) -> list[str]:
     return problems
 
 
+def _packed(data: torch.Tensor, K, V, n: int) -> list[tuple[str, int]] | None:
+    """[('key', r), ('value', r)] (in the order packed) if one message is rank r's key and value blocks
+    joined by torch.cat or torch.stack along any dimension, else None."""
+    for r in range(n):
+        blocks = {"key": K[:, :, _mine(n, r)], "value": V[:, :, _mine(n, r)]}
+        for first, second in (("key", "value"), ("value", "key")):
+            for join in (torch.cat, torch.stack):
+                for dim in range(K.dim() + (join is torch.stack)):
+                    joined = join([blocks[first], blocks[second]], dim)
+                    if joined.shape == data.shape and torch.equal(joined, data):
+                        return [(first, r), (second, r)]
+    return None
+
+
 def kv_messages(sends, K, V, n: int, me: int) -> list[str]:
     """Problems with what the forward pass's messages carried: at step j (1-based) a rank passes on
     the key and value blocks of group rank me − j + 1, the ones it received at step j − 1."""
@@ -127,13 +142,14 @@ def kv_messages(sends, K, V, n: int, me: int) -> list[str]:
         flat = s.data.reshape(-1)
         if flat.numel() % N:
             return [f"send {i + 1} held {flat.numel()} elements; a message holds whole key and value blocks of "
-                    f"b·a·(s/P)·d = {N} elements each (send k and v apart, or stacked with torch.stack)"]
-        for piece in flat.split(N):
-            label = _block_label(piece, K, V, n)
-            if label is None:
-                return [f"send {i + 1} carried values that are no rank's key or value block: pass the blocks on "
-                        "unchanged"]
-            labels.append(label)
+                    f"b·a·(s/P)·d = {N} elements each (send k and v apart, or packed with torch.cat or torch.stack)"]
+        found = [_block_label(piece, K, V, n) for piece in flat.split(N)]
+        if None in found and flat.numel() == 2 * N:
+            found = _packed(s.data, K, V, n) or found
+        if None in found:
+            return [f"send {i + 1} carried values that are no rank's key or value block (alone, or the two packed "
+                    "with torch.cat or torch.stack): pass the blocks on unchanged"]
+        labels += found
     want = {(kind, (me - j) % n) for j in range(n - 1) for kind in ("key", "value")}
     problems = []
     for kind, r in sorted(want - set(labels), key=lambda x: ((me - x[1]) % n, x[0])):
@@ -173,14 +189,18 @@ class _ScoreWidths(Mode):
 
     def __init__(self, arrived=None, census=None):
         super().__init__()
-        self.widest, self.op = 0, ""
+        self.widest, self.op, self.early = 0, "", 0
         self.arrived, self.census, self.held = arrived, census, None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if self.held is None and self.census and name in _PRODUCTS and self.arrived():
+        last_arrived = self.arrived is not None and name in _PRODUCTS | {"sum"} and self.arrived()
+        if self.held is None and self.census and name in _PRODUCTS and last_arrived:
             self.held = self.census()
         out = func(*args, **(kwargs or {}))
+        if self.arrived is not None and not last_arrived and name in _PRODUCTS | {"sum"} and \
+                isinstance(out, torch.Tensor) and out.is_floating_point() and out.shape[-2:] == (SL_, SL_):
+            self.early += 1                  # one block's scores (or their transpose), before the last block came
         if name in _SCORE_OPS:
             for t in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 2 and t.shape[-2] == SL_ \
@@ -198,8 +218,10 @@ def _blocks_in_memory(K, V, n: int, me: int, skip: list[torch.Tensor]) -> list[i
     object the garbage collector tracks. ``skip``: the check's own tensors (the whole K and V, the copies
     the monitor keeps of what was sent)."""
     N = B_ * A_ * SL_ * D_
+    gc.collect()                                               # alive: reachable, not garbage not yet collected
     wanted = [(r, whole[:, :, _mine(n, r)].reshape(-1)) for whole in (K, V) for r in range(n) if r != me]
-    seen = {t.untyped_storage().data_ptr() for t in skip + [block for _, block in wanted]}
+    copies = [o.data for o in gc.get_objects() if isinstance(o, Call) and o.data is not None]   # the recorder's
+    seen = {t.untyped_storage().data_ptr() for t in skip + copies + [block for _, block in wanted]}
     found = set()
     for obj in gc.get_objects():
         if not issubclass(type(obj), torch.Tensor) or obj.dtype != torch.float64 or obj.layout != torch.strided:
@@ -238,6 +260,22 @@ def _one_block_at_a_time(widths: _ScoreWidths, n: int) -> list[str]:
             f"seen in torch's {widths.op} — where ring attention holds one block of s/P = {SL_} keys at a time and "
             "merges each block's partial result (out, lse) into the running one with the log-sum-exp rule as it "
             "arrives: gathering the blocks for one dense softmax needs the memory ring attention exists to save"]
+
+
+def _merged_as_they_came(widths: _ScoreWidths, n: int, me: int, causal: bool) -> list[str]:
+    """Ring attention computes on each block while it holds it, so before the last block arrives it has computed
+    the scores of at least P − 2 blocks (it may compute the one it holds as it passes it on, and the last one
+    after): causal, of min(me, P − 2), the blocks it needs (its own and those of the ranks before it) that it can
+    have held by then. The score products are s/P × s/P; a rank that computes only after every block has come
+    holds them all, however it lays its scores out (a row at a time, keys by queries, one buffer)."""
+    need = min(me, n - 2) if causal else n - 2
+    if widths.early >= need:
+        return []
+    return [f"before the last block arrived it had computed the scores of {widths.early} block"
+            f"{'' if widths.early == 1 else 's'} (products of s/P × s/P = {SL_} × {SL_}); ring attention computes on "
+            f"each block while it holds it and merges the result into (out, lse) — on {n} ranks at least {need} "
+            "before the last block arrives — so that it never needs the whole sequence's keys and values at once: "
+            "computing only after every block has arrived means holding them all"]
 
 
 def _bytes_problem(sends, want: int, formula: str) -> list[str]:
@@ -314,6 +352,7 @@ def check_forward(ns, case, group) -> dict:
                                f"times (P = {n}): (P−1)·2·b·a·(s/P)·d·e")
     problems += kv_messages(sends, K, V, n, me)
     problems += _one_block_at_a_time(widths, n) + _held_problem(widths.held, n)
+    problems += [] if problems else _merged_as_they_came(widths, n, me, causal)
     return {"problems": problems, "facts": {"n": n, "causal": causal, "sent": sum(s.bytes for s in sends)}}
 
 
@@ -339,8 +378,13 @@ def check_backward(ns, case, group) -> dict:
     (out_d * U).sum().backward()                                              # the loss of every rank's rows
     mine = _mine(n, me)
     q, k, v = (t[:, :, mine].clone().requires_grad_() for t in (Q, K, V))
+    N = B_ * A_ * SL_ * D_
     with watch() as forward:
-        out = ns.RingAttention.apply(q, k, v, group, causal)
+        arrived = lambda: (sum(c.elements for c in calls_of(forward, "recv")) >= 2 * (n - 1) * N
+                           and not FLIGHT["pending"])
+        census = lambda: _blocks_in_memory(K, V, n, me, [Q, K, V, Ql, Kl, Vl] + [c.data for c in calls_of(forward, "send")])
+        with _ScoreWidths(arrived, census) as widths:
+            out = ns.RingAttention.apply(q, k, v, group, causal)
     problems = []
     block = B_ * A_ * SL_ * D_ * Q.element_size()
     wrong = differ(out, out_d.detach()[:, :, mine], "the output", **TOL)
@@ -349,10 +393,13 @@ def check_backward(ns, case, group) -> dict:
     problems += [f"the forward pass: {p}" for p in ring_links(forward, n, me) + _bytes_problem(
         calls_of(forward, "send"), 2 * (n - 1) * block, f"the forward pass moves each key and value block P − 1 "
         f"times (P = {n}): (P−1)·2·b·a·(s/P)·d·e")]
+    ring = _one_block_at_a_time(widths, n) + _held_problem(widths.held, n)
+    problems += [f"the forward pass: {p}" for p in ring or _merged_as_they_came(widths, n, me, causal)]
     backward = []
     if isinstance(out, torch.Tensor) and out.requires_grad and out.shape == q.shape:
-        with watch() as backward:
+        with watch() as backward, _ScoreWidths() as widths:
             out.backward(U[:, :, mine].clone())
+        problems += [f"the backward pass: {p}" for p in _one_block_at_a_time(widths, n)]
         grads = {"q": (q.grad, Ql.grad[:, :, mine]), "k": (k.grad, Kl.grad[:, :, mine]),
                  "v": (v.grad, Vl.grad[:, :, mine])}
         bad = []

@@ -62,7 +62,7 @@ class _Recorder(Recorder):
             recorded.extend(calls)
 
     def issued(self, op, out):
-        if op == "recv":                               # posted now, in flight until its wait()
+        if op == "recv" and not isinstance(out, (torch.Tensor, list)):   # a c10d Work: in flight until its wait()
             work = dist.Work.unbox(out)
             FLIGHT["posted"] += 1
             FLIGHT["pending"][id(work)] = work

@@ -447,6 +447,82 @@ def test_by_name(ring_attention, group):
     assert ring_attention.__name__ == "ring_attention_correct", "this is not the correct implementation"
 
 
+def _every_block(q, k, v, group):
+    """Runs the ring, writing each block into one (b, a, s, d) buffer of keys and one of values."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    sl = q.shape[2]
+    K, V = (q.new_empty(q.shape[:2] + (P * sl, q.shape[3])) for _ in range(2))
+    held = [k, v]
+    for step in range(P):
+        owner = (me - step) % P
+        K[:, :, owner * sl:(owner + 1) * sl], V[:, :, owner * sl:(owner + 1) * sl] = held
+        if step < P - 1:
+            held = _step(held, group)
+    return K, V
+
+
+def ring_dense_keys_by_queries(q, k, v, group, causal):
+    """The ring into one buffer, then one dense softmax over every key with the scores laid out keys by
+    queries, (s, s/P), so that no score matrix is s/P rows by several blocks wide (the red team's find)."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    K, V = _every_block(q, k, v, group)
+    sl = q.shape[2]
+    zt = K @ q.transpose(-2, -1) / math.sqrt(q.shape[-1])                # (b, a, s, s/P)
+    if causal:
+        zt = zt.masked_fill(torch.arange(P * sl)[:, None] > me * sl + torch.arange(sl)[None, :], float("-inf"))
+    return torch.softmax(zt, -2).transpose(-2, -1) @ V, torch.logsumexp(zt, -2)
+
+
+def ring_dense_row_by_row(q, k, v, group, causal):
+    """The ring into one buffer, then a dense softmax one query row at a time: scores (1, s)."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    K, V = _every_block(q, k, v, group)
+    outs, lses = [], []
+    for i in range(q.shape[2]):
+        z = q[:, :, i:i + 1] @ K.transpose(-2, -1) / math.sqrt(q.shape[-1])   # (b, a, 1, s)
+        if causal:
+            z = z.masked_fill(torch.arange(K.shape[2]) > me * q.shape[2] + i, float("-inf"))
+        outs.append(torch.softmax(z, -1) @ V)
+        lses.append(torch.logsumexp(z, -1))
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
+def ring_functional_gather(q, k, v, group, causal):
+    """Gathers the keys and values with torch's functional all-gather (what DTensor uses), whose operators
+    are not c10d's: the recorder saw them only after the red team's find."""
+    import torch.distributed._functional_collectives as fc
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    K, V = (fc.all_gather_tensor(t.contiguous(), 2, group) for t in (k, v))
+    z = q @ K.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if causal:
+        sl = q.shape[2]
+        z = z.masked_fill(torch.arange(P * sl)[None, :] > me * sl + torch.arange(sl)[:, None], float("-inf"))
+    return torch.softmax(z, -1) @ V, torch.logsumexp(z, -1)
+
+
+class DenseForwardRingBackward(torch.autograd.Function):
+    """The backward is a right ring; the forward passes the blocks round, keeps them all and does one dense
+    softmax (part 2's forward was not checked as a ring before the red team's find)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal):
+        P, me = dist.get_world_size(group), dist.get_rank(group)
+        K, V = _every_block(q, k, v, group)
+        z = q @ K.transpose(-2, -1) / math.sqrt(q.shape[-1])               # (b, a, s/P, s)
+        if causal:
+            sl = q.shape[2]
+            z = z.masked_fill(torch.arange(P * sl)[None, :] > me * sl + torch.arange(sl)[:, None], float("-inf"))
+        out, lse = torch.softmax(z, -1) @ V, torch.logsumexp(z, -1)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal = group, causal
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return _grads(q, k, v, out, lse, dout, ctx.group, ctx.causal)
+
+
 WRONG = [
     ("ring_attention_check", ring_gather_then_dense, ["over 6 keys at once", "2 ranks' blocks", "one block of s/P = 3 keys at a time"]),
     ("ring_attention_check", ring_keeps_every_block, ["still held the key/value blocks of group ranks",
@@ -483,4 +559,29 @@ WRONG = [
     ("test_ring_attention_check", test_against_own_block, ["fails on the correct",
                                                            "must pass on a correct implementation"]),
     ("test_ring_attention_check", test_by_name, ["fails on the correct"]),
+    ("ring_attention_check", ring_dense_keys_by_queries, ["before the last block arrived it had computed the scores of 0 blocks",
+                                                          "computes on each block while it holds it"]),
+    ("ring_attention_check", ring_dense_row_by_row, ["before the last block arrived it had computed the scores of 0 blocks"]),
+    ("ring_attention_check", ring_functional_gather, ["all-gather is not allowed here"]),
+    ("ring_attention_backward_check", DenseForwardRingBackward, ["the forward pass: it computed scores (or their softmax) over"]),
 ]
+
+
+def ring_packs_k_and_v(q, k, v, group, causal):
+    """A right ring that sends each key and value block in one message, joined along the head dimension
+    (rejected as 'no rank's block' until the red team's find)."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    held = torch.cat([k, v], dim=-1)
+    for step in range(P):
+        kb, vb = held.split(k.shape[-1], dim=-1)
+        z = _scores(q, kb, (me - step) % P, me, causal)
+        if z is not None:
+            out, lse = _merge(out, lse, torch.softmax(z, -1) @ vb, torch.logsumexp(z, -1))
+        if step < P - 1:
+            [held] = _step([held], group)
+    return out, lse
+
+
+#: Right answers in forms the checks must accept.
+RIGHT = [("ring_attention_check", ring_packs_k_and_v)]
