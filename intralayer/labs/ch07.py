@@ -107,7 +107,8 @@ class _Products(Mode):
                 if operand is not None:
                     self.products.append({"operand": operand.detach().clone(),
                                           "posted": self.flight["posted"] - self.base,
-                                          "in_flight": len(self.flight["pending"])})
+                                          "in_flight": len(self.flight["pending"]),
+                                          "sending": len(self.flight["sending"])})
             else:                                                # a view or copy of the weight
                 for o in (out if isinstance(out, (tuple, list)) else (out,)):
                     if isinstance(o, torch.Tensor):
@@ -179,6 +180,11 @@ def product_order(products: list[dict], blocks: list[torch.Tensor], whole: torch
                    "transfer runs while the rank multiplies")
         problems.append(f"the {what}'s product of step {i} ran with no receive in flight: {why}. "
                         f"Only {overlapped} of {t} products overlapped a transfer; the ring overlaps {t - 1}")
+    elif unsent := [i for i in should if products[i]["sending"] == 0]:
+        problems.append(f"the {what}'s product of step {unsent[0]} ran after this rank's send of that step had been "
+                        "waited for (or made with the blocking dist.send): the transfer a product overlaps is the whole "
+                        "exchange, the send as well as the receive — post both (dist.isend and dist.irecv, or "
+                        "batch_isend_irecv), multiply, then wait for both")
     return problems
 
 

@@ -41,7 +41,8 @@ class Forbidden(RuntimeError):
     """The learner's code called an operation the lab does not allow."""
 
 
-FLIGHT: dict = {"posted": 0, "pending": {}}     # receives posted in the outermost watch; those not waited for
+FLIGHT: dict = {"posted": 0, "pending": {}, "sending": {}}   # receives posted in the outermost watch; receives
+                                                              # and sends not waited for yet
 _watches: list = []
 _waited: weakref.WeakValueDictionary = weakref.WeakValueDictionary()   # a dropped request is forgotten
 
@@ -62,10 +63,10 @@ class _Recorder(Recorder):
             recorded.extend(calls)
 
     def issued(self, op, out):
-        if op == "recv" and not isinstance(out, (torch.Tensor, list)):   # a c10d Work: in flight until its wait()
-            work = dist.Work.unbox(out)
-            FLIGHT["posted"] += 1
-            FLIGHT["pending"][id(work)] = work
+        if op in ("send", "recv") and not isinstance(out, (torch.Tensor, list)):   # a c10d Work: in flight until
+            work = dist.Work.unbox(out)                                             # its wait()
+            FLIGHT["posted"] += op == "recv"
+            FLIGHT["pending" if op == "recv" else "sending"][id(work)] = work
 
 
 @contextlib.contextmanager
@@ -83,7 +84,7 @@ def watch(forbid=frozenset(), why: str = ""):
             raise Forbidden("wait() was called a second time on the same request: a request is waited on "
                             "once (after its first wait it is done; keep the result, not the request)")
         _waited[id(self)] = self
-        FLIGHT["pending"].pop(id(self), None)
+        FLIGHT["pending"].pop(id(self), None), FLIGHT["sending"].pop(id(self), None)
         return wait(self, *args, **kwargs)
     if outermost:
         dist.Work.wait, mode = wait_once, _Recorder().__enter__()
@@ -94,7 +95,7 @@ def watch(forbid=frozenset(), why: str = ""):
             mode.__exit__(None, None, None)
             dist.Work.wait = wait
             _waited.clear()
-            FLIGHT.update(posted=0, pending={})
+            FLIGHT.update(posted=0, pending={}, sending={})
         _watches.pop()
 
 

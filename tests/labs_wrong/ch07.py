@@ -13,7 +13,7 @@ def _exchange(held, group):
     return incoming, dist.batch_isend_irecv(ops)
 
 
-def _ring(x_shard, weight, group, place=None, wait_first=False, post_late=False, pass_own=False):
+def _ring(x_shard, weight, group, place=None, wait_first=False, post_late=False, pass_own=False, send_first=False):
     """The forward ring with one thing changed; ``place(r, i, t)`` is where step i's product goes."""
     t, r = dist.get_world_size(group), dist.get_rank(group)
     n = x_shard.shape[0]
@@ -28,6 +28,9 @@ def _ring(x_shard, weight, group, place=None, wait_first=False, post_late=False,
                 for request in requests:
                     request.wait()
                 requests = []
+            if send_first:                                   # the send waited for, the receive in flight
+                requests[0].wait()
+                requests = requests[1:]
         out[q * n:(q + 1) * n] = F.linear(held, weight)
         gathered[q * n:(q + 1) * n] = held
         if i < t - 1:
@@ -96,7 +99,7 @@ def ag_library(x_shard, weight, group):
 
 # ------------------------------------------------------------------ AllGatherMatmul
 
-def _rs_ring(z, weight, group, wait_first=False):
+def _rs_ring(z, weight, group, wait_first=False, send_first=False):
     t, r = dist.get_world_size(group), dist.get_rank(group)
     n = z.shape[0] // t
     incoming, requests = None, []
@@ -114,6 +117,9 @@ def _rs_ring(z, weight, group, wait_first=False):
         if i == t - 1:
             return part
         incoming, requests = _exchange(part, group)
+        if send_first:                                       # the send waited for, the receive in flight
+            requests[0].wait()
+            requests = requests[1:]
 
 
 class AGMWaitsFirst(torch.autograd.Function):
@@ -503,3 +509,30 @@ WRONG += [
     ("test_allgather_matmul_check", test_two_ranks_only, ["passes on the buggy", "3 or more ranks"]),
     ("test_allgather_matmul_check", test_by_name, ["passes on the buggy", "does not catch the bug"]),
 ]
+
+
+def ag_waits_for_its_send_first(x_shard, weight, group):
+    """Posts the exchange, waits for its send, multiplies, then waits for the receive: the receive is in flight
+    at every product, the send is not (the red team's find; a blocking dist.send does the same)."""
+    return _ring(x_shard, weight, group, send_first=True)
+
+
+class AGMBackwardWaitsForItsSend(torch.autograd.Function):
+    """The backward ring waits for each partial sum's send before the next product."""
+
+    @staticmethod
+    def forward(ctx, x_shard, weight, group):
+        out, gathered = _ring(x_shard, weight, group)
+        ctx.save_for_backward(weight, gathered)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, gathered = ctx.saved_tensors
+        return _rs_ring(grad, weight, ctx.group, send_first=True), grad.T @ gathered, None
+
+
+WRONG += [("ring_allgather_matmul_check", ag_waits_for_its_send_first, ["after this rank's send of that step had been "
+                                                                        "waited for", "post both"]),
+          ("AllGatherMatmul_check", AGMBackwardWaitsForItsSend, ["after this rank's send of that step had been waited"])]
