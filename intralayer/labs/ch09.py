@@ -13,7 +13,8 @@ uses key/value head ⌊j / (a/a_kv)⌋), on t ranks:
   its own, and returns the block's output (n, b, h), the same on every rank, with exactly two
   all-reduces of n·b·h numbers (after the output projection, after fc2) and nothing else. The
   check decodes greedily — the embedding and the LM head on every rank, every block the
-  learner's — and compares the tokens, step by step, with the dense model re-running the
+  learner's; the prefill in two calls, the prompt's first 3 tokens and then its other 2 on a
+  cache that holds 3, as a chunked prefill does — and compares the tokens, step by step, with the dense model re-running the
   whole sequence (token for token), each call's output with the dense block's, and the
   cache with the dense keys and values of this rank's heads. It also reads the matrix products:
   a call that runs more than its n·b new token rows through a matrix of the shard recomputes
@@ -64,6 +65,7 @@ from .runner import Mode, watch
 TOL = dict(rtol=1e-10, atol=1e-10)
 V_, H_, A_, D_, FFN_, L_ = 40, 48, 12, 4, 96, 2     # vocabulary, h, heads a (t = 2, 3, 4 divide it), d, MLP f, L
 B_, PROMPT_, STEPS_ = 2, 5, 6                         # sequences, prompt tokens, tokens decoded
+CHUNK_ = 3                                            # the prefill's first call: 3 tokens, then the other 2
 S_ = 7                                                # positions of part 2's cache
 KV_CHOICES = (12, 6, 4, 3, 2, 1)                      # key/value heads a_kv (each divides a = 12)
 PARAMS = {"kv_heads": Param(4, KV_CHOICES), "seed": Param(0, minimum=0)}
@@ -144,13 +146,19 @@ def _kv_of(block, x: torch.Tensor, kv: int, heads: list[int]) -> tuple[torch.Ten
     return k[:, heads], v[:, heads]
 
 
-def _output_words(y, want, n: int, t: int, b2, phase: str, decode_ok: bool) -> str:
-    """Why a call's output is wrong, when the difference has a recognisable shape."""
+def _output_words(y, want, n: int, t: int, b2, phase: str, decode_ok: bool, second_chunk: bool = False) -> str:
+    """Why a call's output is wrong, when the difference has a recognisable shape (``decode_ok``: every
+    earlier call was right)."""
     if not (isinstance(y, torch.Tensor) and y.shape == want.shape and y.dtype == want.dtype):
         return ""
     off = (y - want).abs().amax(dim=(1, 2))                         # (n,): per position
     if torch.allclose(y - want, ((t - 1) * b2).expand_as(want), **TOL):
         return f"; it holds {t} times fc2's bias: add b2 once, after the all-reduce"
+    if second_chunk and decode_ok:
+        return ("; the prefill's first chunk was right but its second is not: new token i of a call is at position "
+                "length + i and attends to every cached position and to the new ones up to its own — a causal mask "
+                "aligned to the top left (scaled_dot_product_attention's is_causal=True when the keys outnumber the "
+                "queries, or triu over the new tokens alone) hides cached positions from it")
     if phase == "prefill" and n > 1 and float(off[-1]) < 1e-9 and float(off[:-1].max()) > 1e-9:
         return ("; only the prompt's last position is right: within the prefill, new token i (at position "
                 "length + i) sees the cached positions and the new ones up to its own, not the later ones — "
@@ -257,10 +265,12 @@ def check_decode(ns, case, group) -> dict:
             problems.append(words)
 
     with torch.no_grad():
-        x = model.embed(prompt)                                     # (s0, b, h): the prefill's input
+        chunks = [model.embed(prompt[:CHUNK_]), model.embed(prompt[CHUNK_:])]   # the prefill, in two calls
         stopped = False
-        for step in range(STEPS_):
-            phase = "the prefill" if step == 0 else f"decode step {step}"
+        for step in range(-1, STEPS_):
+            phase = ("the prefill's first chunk", "the prefill's second chunk")[step + 1] if step < 1 else \
+                f"decode step {step}"
+            x = chunks[step + 1] if step < 1 else x
             n = x.shape[0]
             for layer, block in enumerate(model.blocks):
                 seen[layer].append(x)
@@ -279,9 +289,9 @@ def check_decode(ns, case, group) -> dict:
                     break
                 wrong = differ(y, want, f"{phase}'s output of block {layer}", **TOL)
                 if wrong:
-                    prefill_ok = prefill_ok and step > 0
+                    earlier_ok, prefill_ok = prefill_ok, prefill_ok and step > 0
                     once("output", wrong + _output_words(y, want, n, t, block.mlp.fc2.bias, "prefill"
-                                                         if step == 0 else "decode", prefill_ok))
+                                                         if step < 1 else "decode", earlier_ok, step == 0))
                 for kind, words in _comm_problems(calls, n, f"{phase} (block {layer})"):
                     once(kind, words)
                 if words := _recompute_problem(rows.rows, n, f"{phase} (block {layer})"):
@@ -290,8 +300,9 @@ def check_decode(ns, case, group) -> dict:
                 length = len(x_all)
                 if cache.get("length") != length:
                     once("length", f"after {phase} block {layer}'s cache['length'] is {cache.get('length')!r}; it "
-                                   f"should be {length}, the positions cached so far ({PROMPT_} of the prompt and "
-                                   "one more per decode step): set it after storing the new keys and values")
+                                   f"should be {length}, the positions cached so far (the prompt's first {CHUNK_} "
+                                   f"tokens, then all {PROMPT_}, then one more per decode step): set it after storing "
+                                   "the new keys and values")
                 else:
                     k_want, v_want = _kv_of(block, x_all, kv, heads)
                     for name, want_c in (("k", k_want), ("v", v_want)):
@@ -306,6 +317,8 @@ def check_decode(ns, case, group) -> dict:
                 x = y.detach()
             if stopped:
                 break
+            if step < 0:                                            # the prompt's first chunk: no token yet
+                continue
             token = model.head(model.ln_f(x))[-1].argmax(-1)        # (b,): the LM head on every rank
             tokens.append(token)
             x = model.embed(token[None])                            # (1, b, h): the next decode step's input

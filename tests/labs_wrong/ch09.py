@@ -140,6 +140,25 @@ def decode_recomputes(x, p, cache, group):
     return _finish(x, o, p, group)
 
 
+
+def decode_sdpa_top_left_causal(x, p, cache, group):
+    """torch's scaled_dot_product_attention with is_causal=True for a call of several tokens: its mask is
+    aligned to the top left when the keys outnumber the queries, so a chunk after a cached one misses most of
+    the cache (right when the cache starts empty; the red team's find)."""
+    start, (q, k, v) = cache["length"], _qkv(x, p, cache)
+    keys, values = (c.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for c in _store(cache, k, v))
+    o = F.scaled_dot_product_attention(q, keys, values, is_causal=x.shape[0] > 1)
+    return _finish(x, o.permute(2, 0, 1, 3).reshape(x.shape[0], x.shape[1], -1), p, group)
+
+
+def decode_prompt_sees_only_itself(x, p, cache, group):
+    """A call of several tokens attends among them only, with a triu mask; one token attends to the cache."""
+    start, (q, k, v) = cache["length"], _qkv(x, p, cache)
+    keys, values = _store(cache, k, v)
+    if x.shape[0] > 1:
+        return _finish(x, _attend(q, k, v, 0), p, group)
+    return _finish(x, _attend(q, keys, values, start), p, group)
+
 def decode_library(x, p, cache, group):
     """Calls the library's cached attention."""
     from intralayer import inference
@@ -290,15 +309,15 @@ def test_by_name(gather_kv_cache, group):
 WRONG = [
     ("tp_decode_block_check", decode_gathers_weights, ["also sent", "all-gather", "sent no all-reduce",
                                                        "the weights and the cache stay on their rank"]),
-    ("tp_decode_block_check", decode_ignores_cache, ["decode step 1's output of block 0 is off",
-                                                     "the prefill was right but this decode step is not",
+    ("tp_decode_block_check", decode_ignores_cache, ["the prefill's second chunk's output of block 0 is off",
+                                                     "the prefill's first chunk was right but its second is not",
                                                      "every cached position"]),
     ("tp_decode_block_check", decode_b2_on_every_rank, ["times fc2's bias", "after the all-reduce"]),
     ("tp_decode_block_check", decode_no_mask, ["only the prompt's last position is right", "mask them"]),
-    ("tp_decode_block_check", decode_tiles_kv_heads, ["the prefill's output of block 0 is off"]),
+    ("tp_decode_block_check", decode_tiles_kv_heads, ["the prefill's first chunk's output of block 0 is off"]),
     ("tp_decode_block_check", decode_one_all_reduce, ["output of block 0 is off", "sent 1 all-reduce",
                                                       "exactly two all-reduces"]),
-    ("tp_decode_block_check", decode_length_unchanged, ["cache['length'] is 0", "it should be 5"]),
+    ("tp_decode_block_check", decode_length_unchanged, ["cache['length'] is 0", "it should be 3"]),
     ("tp_decode_block_check", decode_recomputes, ["token rows through this rank's query matrix (wq)",
                                                   "recomputes earlier positions instead of reading them from the cache"]),
     ("tp_decode_block_check", decode_library, ["intralayer.inference.attend_cached is not allowed here"]),
@@ -320,3 +339,8 @@ WRONG = [
     ("test_gather_kv_cache_check", test_always_passes, ["passes on the buggy", "does not catch the bug"]),
     ("test_gather_kv_cache_check", test_by_name, ["passes on the buggy", "does not catch the bug"]),
 ]
+
+
+WRONG += [("tp_decode_block_check", decode_sdpa_top_left_causal, ["the prefill's first chunk was right but its "
+                                                                  "second is not", "top left"]),
+          ("tp_decode_block_check", decode_prompt_sees_only_itself, ["the prefill's second chunk"])]
