@@ -47,15 +47,19 @@ from .parts import Implementation, Param, hunt, lab
 from .common import calls_of, differ, earlier_part, group_info, traffic
 from .runner import watch
 
-H_, F_ = 4, 5                          # hidden size, expert width; E = 2P experts, two per rank
+H_, F_ = 4, 5                          # hidden size, expert width; E = m·P experts, m per rank (2 or 3)
 #: float64: the longest reduction is an F_ = 5-term row of a down projection, or a weight
 #: gradient's sum over the group's ≤ 4·7·2 = 56 assignments; 2γ_n·Σ|terms| with n ≤ 60 and
 #: Σ|terms| ≲ 100 is ≈ 1e-12, so 1e-10 is a wide margin far below a wrong answer's error.
 TOL = dict(rtol=1e-10, atol=1e-10)
-PARAMS = {"seed": Param(0, minimum=0), "k": Param(2, (1, 2)), "empty": Param(False, (False, True))}
+PARAMS = {"seed": Param(0, minimum=0), "k": Param(2, (1, 2)), "empty": Param(False, (False, True)),
+          "per_rank": Param(2, (2, 3))}
 WHY = ("intralayer.expert_parallel is the library's own expert-parallel layer, intralayer.comm its autograd "
-       "all-to-all and intralayer.moe its sort by expert, the answers to this lab: write them with torch.distributed")
-FORBID = ("intralayer.expert_parallel", "intralayer.moe", "intralayer.comm")
+       "all-to-all and intralayer.moe its sort by expert, and torch.distributed.nn.functional and "
+       "torch.distributed._functional_collectives hold torch's own differentiable all-to-all: the answers to this "
+       "lab; write them with torch.distributed's all_to_all_single and a torch.autograd.Function")
+FORBID = ("intralayer.expert_parallel", "intralayer.moe", "intralayer.comm", "torch.distributed.nn.functional",
+          "torch.distributed._functional_collectives")
 
 
 def tokens_of(me: int, n: int, empty: bool) -> int:
@@ -71,7 +75,7 @@ def routing(case: dict, n: int, q: int, integer: bool) -> tuple[torch.Tensor, to
     is never chosen (an expert with no rows) and group rank 0 never picks the last expert; on 2 ranks
     every expert gets rows from every source, so that rows grouped by expert instead of by source
     (or in any other wrong order) differ on every rank."""
-    E = 2 * n
+    E = case["per_rank"] * n
     g = torch.Generator().manual_seed(1000 * case["seed"] + 10 * n + q)
     T, k = tokens_of(q, n, case["empty"]), case["k"]
     x = (torch.randint(-6, 7, (T, H_), generator=g).to(torch.float64) if integer
@@ -97,15 +101,16 @@ def by_expert(expert_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return token[order], expert[order]
 
 
-def expected(xs: list[torch.Tensor], choices: list[torch.Tensor], q: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows rank q receives and its (P, E/P) counts, worked out from every rank's data (no communication)."""
+def expected(xs: list[torch.Tensor], choices: list[torch.Tensor], q: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows rank q receives and its (P, E/P) counts (m = E/P), worked out from every rank's data (no
+    communication)."""
     P = len(xs)
-    rows, counts = [], torch.zeros(P, 2, dtype=torch.int64)
+    rows, counts = [], torch.zeros(P, m, dtype=torch.int64)
     for s in range(P):
         token, expert = by_expert(choices[s])
-        mine = expert // 2 == q
+        mine = expert // m == q
         rows.append(xs[s][token[mine]])
-        counts[s] = torch.bincount(expert[mine] - 2 * q, minlength=2)
+        counts[s] = torch.bincount(expert[mine] - m * q, minlength=m)
     return torch.cat(rows), counts
 
 
@@ -113,7 +118,7 @@ def _row_words(got: torch.Tensor, want: torch.Tensor, counts: torch.Tensor, xs) 
     """Where the received rows first go wrong: which source, which expert, which token."""
     bad = int(torch.nonzero((got.detach() != want).any(-1))[0])
     starts = torch.cumsum(counts.flatten(), 0)
-    s, e = divmod(int(torch.searchsorted(starts, torch.tensor(bad), right=True)), 2)
+    s, e = divmod(int(torch.searchsorted(starts, torch.tensor(bad), right=True)), counts.shape[1])
 
     def whose(row, ranks) -> str | None:
         return next((f"rank {q}'s token {t}" for q in ranks for t in range(xs[q].shape[0])
@@ -157,12 +162,13 @@ def _summary_dispatch(facts: dict) -> str:
 @lab("ep_dispatch", ("ep_dispatch",), params=PARAMS, forbid_modules=FORBID, why=WHY, summary=_summary_dispatch)
 def check_dispatch(ns, case, group) -> dict:
     n, me = group_info(group)
-    E = 2 * n
+    m = case["per_rank"]
+    E = m * n
     data = [routing(case, n, q, integer=True) for q in range(n)]
     xs, choices = [d[0] for d in data], [d[1] for d in data]
     x0, expert_index = xs[me], choices[me]
     A = expert_index.numel()
-    want_rows, want_counts = expected(xs, choices, me)
+    want_rows, want_counts = expected(xs, choices, me, m)
     R = want_rows.shape[0]
     x = x0.clone().requires_grad_()
     with watch() as forward:
@@ -178,7 +184,7 @@ def check_dispatch(ns, case, group) -> dict:
         wrong = None                                        # any integer dtype will do
     if wrong:
         if isinstance(per_expert, torch.Tensor) and per_expert.shape == want_counts.shape \
-                and torch.equal(per_expert.to(torch.int64), want_counts.T.reshape(n, 2)):
+                and torch.equal(per_expert.to(torch.int64), want_counts.T.reshape(n, m)):
             wrong += "; it is transposed: per_expert[s, e] counts the rows from rank s for local expert e"
         elif isinstance(per_expert, torch.Tensor) and per_expert.shape != want_counts.shape:
             wrong += " (P source ranks, E/P local experts)"
@@ -202,17 +208,17 @@ def check_dispatch(ns, case, group) -> dict:
         problems.append("received does not require a gradient: dist.all_to_all_single is not differentiable; "
                         "wrap it in a torch.autograd.Function whose backward sends the gradient back")
     if everyone(ready, group):                        # (a rank whose rows are wrong still takes part)
-        grads = [torch.randint(-3, 4, (expected(xs, choices, q)[0].shape[0], H_),
+        grads = [torch.randint(-3, 4, (expected(xs, choices, q, m)[0].shape[0], H_),
                                generator=torch.Generator().manual_seed(50 + q)).to(torch.float64) for q in range(n)]
         with watch() as backward:
             (received * grads[me]).sum().backward()
         want_grad = torch.zeros_like(x0)
         token, expert = by_expert(expert_index)
         for q in range(n):                            # the block of rank q's received rows that came from here
-            counts_q = expected(xs, choices, q)[1]
+            counts_q = expected(xs, choices, q, m)[1]
             start = int(counts_q[:me].sum())
             block = grads[q][start:start + int(counts_q[me].sum())]
-            want_grad.index_add_(0, token[expert // 2 == q], block)
+            want_grad.index_add_(0, token[expert // m == q], block)
         grad_wrong = differ(x.grad, want_grad, "x.grad")
         if not wrong and grad_wrong:
             problems.append(grad_wrong + "; each token's gradient is the sum of the gradients its rows got on the "
@@ -221,7 +227,7 @@ def check_dispatch(ns, case, group) -> dict:
             problems += _alltoalls(backward, [(R * H_, f"the received rows' gradient, sent home (R·h = {R}·{H_} "
                                                        "numbers)")], "the backward pass")
     token, expert = by_expert(expert_index)
-    away = int((expert // 2 != me).sum())
+    away = int((expert // m != me).sum())
     return {"problems": problems, "facts": {"n": n, "E": E, "T": x0.shape[0], "A": A, "R": R,
                                             "S": A * H_ * x0.element_size(), "away": away * H_ * x0.element_size()}}
 
@@ -278,17 +284,18 @@ def _gradients(x, weights, local: dict, leaves, ref: dict, mine: slice, n: int) 
 
 
 def _summary_moe(facts: dict) -> str:
-    return (f"{facts['n']} ranks, E = {facts['E']} experts, 2 per rank: output and the gradients of x, the weights "
-            f"and every local expert equal the single-device layer's; group rank 0 sent the counts, the dispatch "
-            f"(S = {facts['dispatch']} bytes) and the combine (S = {facts['combine']} bytes), and the two back in "
-            f"the backward pass")
+    return (f"{facts['n']} ranks, E = {facts['E']} experts, {facts['E'] // facts['n']} per rank: output and the "
+            f"gradients of x, the weights and every local expert equal the single-device layer's; group rank 0 sent "
+            f"the counts, the dispatch (S = {facts['dispatch']} bytes) and the combine (S = {facts['combine']} bytes), "
+            "and the two back in the backward pass")
 
 
 @lab("ep_moe", ("ep_moe",), params=PARAMS, forbid_modules=FORBID, why=WHY, summary=_summary_moe)
 def check_moe(ns, case, group) -> dict:
     n, me = group_info(group)
     earlier = earlier_part(ns, "ep_dispatch", 1, check_dispatch, case, group)
-    E = 2 * n
+    m = case["per_rank"]
+    E = m * n
     data = [routing(case, n, q, integer=False) for q in range(n)]
     dense = dense_experts(case["seed"], E)
     uprs = [torch.randn(d[0].shape, generator=torch.Generator().manual_seed(60 + q), dtype=torch.float64)
@@ -300,17 +307,17 @@ def check_moe(ns, case, group) -> dict:
     sum((y * u).sum() for y, u in zip(wants, uprs)).backward()
     x0, expert_index, w0 = data[me]
     x, weights = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-    mine = slice(2 * me, 2 * me + 2)
+    mine = slice(m * me, m * me + m)
     local = {name: v[mine].clone().requires_grad_() for name, v in dense.items()}
     A = expert_index.numel()
-    R = expected([d[0] for d in data], [d[1] for d in data], me)[0].shape[0]
+    R = expected([d[0] for d in data], [d[1] for d in data], me, m)[0].shape[0]
     with watch() as forward:
         y = ns.ep_moe(x, expert_index.clone(), weights, local["w1"], local["w3"], local["w2"], group)
     problems = []
     wrong = differ(y, wants[me].detach(), "the output", **TOL)
     if wrong and isinstance(y, torch.Tensor) and y.shape == x0.shape:
         t = int(torch.nonzero(((y.detach() - wants[me].detach()).abs() > 1e-8).any(-1))[0])
-        where = ", ".join(f"expert {int(e)} on rank {int(e) // 2}" for e in expert_index[t])
+        where = ", ".join(f"expert {int(e)} on rank {int(e) // m}" for e in expert_index[t])
         wrong += f"; token {t}'s row is wrong (its experts: {where})"
         unweighted = single_device(x0, expert_index, torch.ones_like(w0), dense)
         if torch.allclose(y.detach(), unweighted, **TOL):

@@ -310,6 +310,33 @@ def test_by_name(expert_grads, group):
     assert expert_grads.__name__ == "expert_grads", "this is not the correct implementation"
 
 
+def dispatch_two_per_rank(x, expert_index, experts, group):
+    """Counts two experts per rank whatever ``experts`` says (every case had E = 2P until the red team's find)."""
+    P = dist.get_world_size(group)
+    k = expert_index.shape[1]
+    order = torch.argsort(expert_index.reshape(-1), stable=True)
+    counts = torch.bincount(expert_index.reshape(-1), minlength=2 * P)[:2 * P].view(P, 2)
+    per_expert = torch.empty_like(counts)
+    dist.all_to_all_single(per_expert, counts, group=group)
+    received = _AllToAll.apply(x[order // k], counts.sum(1).tolist(), per_expert.sum(1).tolist(), group)
+    return received, per_expert
+
+
+class _TorchsAllToAll:
+    """torch's own differentiable all-to-all instead of the learner's autograd.Function."""
+
+    @staticmethod
+    def apply(rows, send, recv, group):
+        import torch.distributed.nn.functional as dnnf
+        out = rows.new_empty(sum(recv), rows.shape[1])
+        return dnnf.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
+
+
+def dispatch_torchs_autograd_all_to_all(x, expert_index, experts, group):
+    """The all-to-all's backward left to torch.distributed.nn (the red team's find: it passed)."""
+    return _dispatch(x, expert_index, experts, group, exchange=_TorchsAllToAll)
+
+
 WRONG = [
     ("ep_dispatch_check", dispatch_unstable_sort, ["received row", "it should hold rank"]),
     ("ep_dispatch_check", dispatch_expert_major, ["received row", "by source rank, then local expert"]),
@@ -337,3 +364,8 @@ WRONG = [
     ("test_expert_grads_check", test_shapes_only, ["passes on the buggy", "does not catch the bug"]),
     ("test_expert_grads_check", test_by_name, ["passes on the buggy", "does not catch the bug"]),
 ]
+
+
+WRONG += [("ep_dispatch_check", dispatch_two_per_rank, ["per_rank 3:", "Split sizes"]),
+          ("ep_dispatch_check", dispatch_torchs_autograd_all_to_all, ["torch.distributed.nn.functional.all_to_all_single "
+                                                                     "is not allowed here", "torch's own differentiable"])]
