@@ -53,9 +53,13 @@ REPLICATED = ("ln_w", "ln_b", "b2")
 NAMES = {"ln_w": "the LayerNorm's weight (ln_w)", "ln_b": "the LayerNorm's bias (ln_b)",
          "w1": "fc1's weight (w1)", "b1": "fc1's bias (b1)", "w2": "fc2's weight (w2)", "b2": "fc2's bias (b2)"}
 WHY_GATHER = ("intralayer.comm and intralayer.sequence_parallel hold the library's own all-gather along the "
-              "sequence, the answer to this part; build it from torch.distributed's collectives")
+              "sequence, and torch.distributed.nn.functional torch's differentiable one (its backward a "
+              "reduce-scatter): the answer to this part; build it from torch.distributed's collectives")
 WHY_MLP = ("intralayer.comm, intralayer.sequence_parallel and intralayer.tensor_parallel hold the library's own "
-           "sequence-parallel layers, the answer to this lab; use your GatherSequence and torch.distributed")
+           "sequence-parallel layers, and torch.distributed.nn.functional torch's differentiable collectives: the "
+           "answer to this lab; use your GatherSequence and torch.distributed")
+#: torch's differentiable collectives: an all-gather whose backward reduce-scatters is GatherSequence itself.
+TORCH_AUTOGRAD = ("torch.distributed.nn.functional", "torch.distributed._functional_collectives")
 
 
 def _rand(g: torch.Generator, *shape) -> torch.Tensor:
@@ -88,7 +92,8 @@ def _summary_gather(facts: dict) -> str:
 
 
 @lab("gather_sequence", ("GatherSequence",), params=SEED, forbid_modules=("intralayer.comm",
-                                                                          "intralayer.sequence_parallel"),
+                                                                          "intralayer.sequence_parallel",
+                                                                          *TORCH_AUTOGRAD),
      why=WHY_GATHER, summary=_summary_gather)
 def check_gather(ns, case, group) -> dict:
     n, me = group_info(group)
@@ -198,7 +203,7 @@ def _summary_mlp(facts: dict) -> str:
 
 
 @lab("sp_mlp", ("sp_mlp",), params=SEED, forbid_modules=("intralayer.comm", "intralayer.sequence_parallel",
-                                                         "intralayer.tensor_parallel"), why=WHY_MLP,
+                                                         "intralayer.tensor_parallel", *TORCH_AUTOGRAD), why=WHY_MLP,
      summary=_summary_mlp)
 def check_mlp(ns, case, group) -> dict:
     n, me = group_info(group)

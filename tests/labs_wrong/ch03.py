@@ -368,6 +368,15 @@ def test_by_name(sp_norm_linear, group):
     assert sp_norm_linear.__name__ == "sp_norm_linear", "this is not the correct implementation"
 
 
+class GatherByTorch:
+    """torch's differentiable all-gather (its backward reduce-scatters), which is this part's answer."""
+
+    @staticmethod
+    def apply(x, group):
+        import torch.distributed.nn.functional as dnnf
+        return torch.cat(dnnf.all_gather(x.contiguous(), group=group), dim=0)
+
+
 WRONG = [
     ("gather_sequence_check", GatherProcessNumber, ["x.grad is off", "it used the global rank (the process number)"]),
     ("sp_mlp_check", mlp_tanh_gelu, ["the output is off", "tanh approximation of GeLU", "approximate='none'"]),
@@ -403,3 +412,6 @@ WRONG = [
                                                                      "gradients averaged over the group"]),
     ("test_sp_norm_linear_check", test_by_name, ["passes on the buggy", "does not catch the bug"]),
 ]
+
+
+WRONG += [("gather_sequence_check", GatherByTorch, ["torch.distributed.nn.functional.all_gather is not allowed here"])]
