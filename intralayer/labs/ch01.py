@@ -88,8 +88,14 @@ def check_f(ns, case, group) -> dict:
     grads = [_rand(100 + q) for q in range(n)]         # each rank's upstream gradient differs
     if isinstance(y, torch.Tensor) and y.requires_grad:
         total = sum(grads)
+        upstream = grads[me].clone()
         with watch() as backward:
-            y.backward(grads[me].clone())             # a copy: backward may write into what it is given
+            y.backward(upstream)
+        if not torch.equal(upstream, grads[me]):
+            problems.append("f's backward wrote into the gradient it was given (dist.all_reduce works in place): "
+                            "all-reduce a copy. That tensor is not backward's to change: y.sum().backward(), say, "
+                            "hands it one number expanded to x's shape, and an all-reduce in place reads and writes "
+                            "past that number's memory (gloo stops with 'Bad address', or memory is corrupted)")
         wrong = differ(x.grad, total, "x.grad", **TOL)
         if wrong:
             seen = _which(x.grad, {"this rank's own upstream gradient": grads[me],

@@ -211,6 +211,22 @@ def test_by_name(row_linear, group):
     assert row_linear.__name__ == "row_linear", "this is not the correct implementation"
 
 
+class CopyAllReducesInPlace(torch.autograd.Function):
+    """f's backward all-reduces the incoming gradient in place, as Megatron's does: right values here, but
+    y.sum().backward() hands it an expanded gradient of one number, and gloo then writes past its memory
+    (the red team's find: it passed every case)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 WRONG = [
     ("reduce_from_group_check", GAllGatherSum, ["g's forward pass sent 1 all-gather", "one all-reduce"]),
     ("reduce_from_group_check", GStarAtRankZero, ["it used the global rank (the process number)", "dist.get_rank(group)"]),
@@ -228,3 +244,7 @@ WRONG = [
     ("test_row_linear_check", test_bias_grad_summed, ["fails on the correct"]),
     ("test_row_linear_check", test_by_name, ["passes on the buggy", "does not catch the bug"]),
 ]
+
+
+WRONG += [("copy_to_group_check", CopyAllReducesInPlace, ["f's backward wrote into the gradient it was given",
+                                                          "Bad address"])]
