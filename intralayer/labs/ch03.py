@@ -30,8 +30,9 @@ tokens, so they must be summed over the group. The bug: nothing sums them, as in
 Megatron-style sequence parallelism while it was developed, whose LayerNorm gradient hook
 did not take effect until it was registered after DeepSpeed's initialisation; the fix
 (EleutherAI/gpt-neox#1259, merged into #1257) also made the hook sum instead of average —
-the second buggy implementation here averages. The output is right in all three; only the
-LayerNorm's gradients differ.
+the second buggy implementation here averages. A third sums them twice (t times too large), so
+that a test that only asks whether the gradients changed from this rank's own share catches
+nothing. The output is right in all four; only the LayerNorm's gradients differ.
 """
 from __future__ import annotations
 
@@ -416,10 +417,18 @@ def sp_norm_linear_averaged(x, ln_w, ln_b, weight, group):
     return _GatherSequence.apply(z, group) @ weight.T                 # (s, b, out/t)
 
 
+def sp_norm_linear_synced_twice(x, ln_w, ln_b, weight, group):
+    """Sequence-parallel LayerNorm and column-parallel linear, its LayerNorm gradients summed over the group twice."""
+    ln_w, ln_b = (_SumOverGroup.apply(_SumOverGroup.apply(w, group), group) for w in (ln_w, ln_b))
+    z = F.layer_norm(x, x.shape[-1:], ln_w, ln_b)                     # (s/t, b, h)
+    return _GatherSequence.apply(z, group) @ weight.T                 # (s, b, out/t)
+
+
 hunt("sp_layernorm_grads", "test_sp_norm_linear", {
     "unsynced": Implementation(sp_norm_linear_unsynced, True, "EleutherAI/gpt-neox#1259"),
     "correct": Implementation(sp_norm_linear, False),
     "averaged": Implementation(sp_norm_linear_averaged, True, "EleutherAI/gpt-neox#1259"),
+    "synced_twice": Implementation(sp_norm_linear_synced_twice, True),
 }, hint="the output and the gradients of x and weight are right in every version: compare the LayerNorm's "
         "gradients, ln_w.grad and ln_b.grad, with those of a dense nn.LayerNorm over the whole sequence, on every "
         "rank")

@@ -377,6 +377,23 @@ class GatherByTorch:
         return torch.cat(dnnf.all_gather(x.contiguous(), group=group), dim=0)
 
 
+def test_not_own_share(sp_norm_linear, group):
+    """Asks only that ln_w.grad and ln_b.grad are no longer this rank's own tokens' share (the red team's weak
+    test: it caught both bugs the graders used, and would pass a gradient summed twice, or any garbage)."""
+    t, i = dist.get_world_size(group), dist.get_rank(group)
+    s, b, h, out = 4 * t, 2, 5, 3 * t
+    g = torch.Generator().manual_seed(0)
+    ln_w0, ln_b0 = torch.rand(h, generator=g, dtype=torch.float64) + 0.5, torch.randn(h, generator=g, dtype=torch.float64)
+    W, X = torch.randn(out, h, generator=g, dtype=torch.float64), torch.randn(s, b, h, generator=g, dtype=torch.float64)
+    x = X[i * s // t:(i + 1) * s // t].clone()
+    ln_w, ln_b = ln_w0.clone().requires_grad_(), ln_b0.clone().requires_grad_()
+    sp_norm_linear(x, ln_w, ln_b, W[i * out // t:(i + 1) * out // t].clone(), group).sum().backward()
+    own_w, own_b = ln_w0.clone().requires_grad_(), ln_b0.clone().requires_grad_()
+    (F.layer_norm(x, (h,), own_w, own_b) @ W.T).sum().backward()
+    assert not torch.allclose(ln_w.grad, own_w.grad), "ln_w.grad was not summed"
+    assert not torch.allclose(ln_b.grad, own_b.grad), "ln_b.grad was not summed"
+
+
 WRONG = [
     ("gather_sequence_check", GatherProcessNumber, ["x.grad is off", "it used the global rank (the process number)"]),
     ("sp_mlp_check", mlp_tanh_gelu, ["the output is off", "tanh approximation of GeLU", "approximate='none'"]),
@@ -415,3 +432,6 @@ WRONG = [
 
 
 WRONG += [("gather_sequence_check", GatherByTorch, ["torch.distributed.nn.functional.all_gather is not allowed here"])]
+
+
+WRONG += [("test_sp_norm_linear_check", test_not_own_share, ["passes on the buggy", "summed over the group twice"])]
