@@ -220,7 +220,7 @@ def _blocks_in_memory(K, V, n: int, me: int, skip: list[torch.Tensor]) -> list[i
     N = B_ * A_ * SL_ * D_
     gc.collect()                                               # alive: reachable, not garbage not yet collected
     wanted = [(r, whole[:, :, _mine(n, r)].reshape(-1)) for whole in (K, V) for r in range(n) if r != me]
-    copies = [o.data for o in gc.get_objects() if isinstance(o, Call) and o.data is not None]   # the recorder's
+    copies = [o.data for o in gc.get_objects() if type(o) is Call and o.data is not None]      # the recorder's
     seen = {t.untyped_storage().data_ptr() for t in skip + copies + [block for _, block in wanted]}
     found = set()
     for obj in gc.get_objects():
