@@ -382,7 +382,8 @@ def check_backward(ns, case, group) -> dict:
     with watch() as forward:
         arrived = lambda: (sum(c.elements for c in calls_of(forward, "recv")) >= 2 * (n - 1) * N
                            and not FLIGHT["pending"])
-        census = lambda: _blocks_in_memory(K, V, n, me, [Q, K, V, Ql, Kl, Vl] + [c.data for c in calls_of(forward, "send")])
+        census = lambda: _blocks_in_memory(K, V, n, me, [Q, K, V, Ql, Kl, Vl]
+                                           + [c.data for c in calls_of(forward, "send")])
         with _ScoreWidths(arrived, census) as widths:
             out = ns.RingAttention.apply(q, k, v, group, causal)
     problems = []

@@ -182,9 +182,9 @@ def product_order(products: list[dict], blocks: list[torch.Tensor], whole: torch
                         f"Only {overlapped} of {t} products overlapped a transfer; the ring overlaps {t - 1}")
     elif unsent := [i for i in should if products[i]["sending"] == 0]:
         problems.append(f"the {what}'s product of step {unsent[0]} ran after this rank's send of that step had been "
-                        "waited for (or made with the blocking dist.send): the transfer a product overlaps is the whole "
-                        "exchange, the send as well as the receive — post both (dist.isend and dist.irecv, or "
-                        "batch_isend_irecv), multiply, then wait for both")
+                        "waited for (or made with the blocking dist.send): the transfer a product overlaps is the "
+                        "whole exchange, the send as well as the receive — post both (dist.isend and dist.irecv, "
+                        "or batch_isend_irecv), multiply, then wait for both")
     return problems
 
 

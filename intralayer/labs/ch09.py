@@ -14,10 +14,11 @@ uses key/value head ⌊j / (a/a_kv)⌋), on t ranks:
   all-reduces of n·b·h numbers (after the output projection, after fc2) and nothing else. The
   check decodes greedily — the embedding and the LM head on every rank, every block the
   learner's; the prefill in two calls, the prompt's first 3 tokens and then its other 2 on a
-  cache that holds 3, as a chunked prefill does — and compares the tokens, step by step, with the dense model re-running the
-  whole sequence (token for token), each call's output with the dense block's, and the
-  cache with the dense keys and values of this rank's heads. It also reads the matrix products:
-  a call that runs more than its n·b new token rows through a matrix of the shard recomputes
+  cache that holds 3, as a chunked prefill does — and compares the tokens, step by step, with
+  the dense model re-running the whole sequence (token for token), each call's output with the
+  dense block's, and the cache with the dense keys and values of this rank's heads. It also
+  reads the matrix products: a call that runs more than its n·b new token rows through a
+  matrix of the shard (alone, or fused with others into one matrix) recomputes
   earlier positions instead of reading the cache.
 - ``split_kv_cache(k, v, heads, group)``: from the whole cache of one layer, (b, a_kv, s, d),
   the same on every rank (a prefill server's, say), this rank's part: the key/value heads its
@@ -176,8 +177,9 @@ _PRODUCTS = {"mm", "addmm", "bmm", "baddbmm"}
 
 class _Rows(Mode):
     """The most token rows the learner's code multiplied by each of the shard's matrices in one call, found
-    in torch's matrix products by the matrix (its storage, or equal values, transposed or not): a KV cache
-    exists so that a step runs only its new tokens through the projections."""
+    in torch's matrix products by the matrix (its storage, or equal values, transposed or not, alone or as a
+    block of rows of a fused matrix): a KV cache exists so that a step runs only its new tokens through the
+    projections."""
 
     def __init__(self, shard: dict):
         super().__init__()
@@ -189,9 +191,14 @@ class _Rows(Mode):
         if t.untyped_storage().data_ptr() in self.ptrs:
             return self.ptrs[t.untyped_storage().data_ptr()]
         flat = t.reshape(t.shape[-2:]) if t.dim() == 3 and t.shape[0] == 1 else t
-        return next((name for name, w in self.weights.items() if flat.dim() == 2 and flat.dtype == w.dtype and
-                     ((flat.shape == w.shape and torch.equal(flat, w)) or
-                      (flat.shape == w.T.shape and torch.equal(flat, w.T)))), None)
+        if flat.dim() != 2:
+            return None
+        for name, w in self.weights.items():          # w itself, or a block of rows of a fused matrix (q, k, v)
+            for m in (flat, flat.T):
+                if m.dtype == w.dtype and m.shape[1] == w.shape[1] and m.shape[0] >= w.shape[0] and \
+                        any(torch.equal(m[o:o + w.shape[0]], w) for o in range(m.shape[0] - w.shape[0] + 1)):
+                    return name
+        return None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket.__name__ in _PRODUCTS:

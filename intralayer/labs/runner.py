@@ -73,7 +73,8 @@ class _Recorder(Recorder):
 def watch(forbid=frozenset(), why: str = ""):
     """The block's data-moving calls, as a list of :class:`intralayer.record.Call`; :class:`Forbidden` for a
     forbidden one or one on the default group. ``Work.wait`` is a method, not an operator: it is wrapped, so
-    that a second wait on a request is named (gloo would wait for ever) and a waited receive leaves FLIGHT."""
+    that a second wait on a request is named (gloo would wait for ever) and a waited send or receive leaves
+    FLIGHT."""
     if bad := set(forbid) - OPERATIONS:
         raise ValueError(f"unknown operations {sorted(bad)}; the operations are {sorted(OPERATIONS)}")
     calls, outermost, wait = [], not _watches, vars(dist.Work)["wait"]

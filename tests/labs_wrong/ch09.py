@@ -159,6 +159,19 @@ def decode_prompt_sees_only_itself(x, p, cache, group):
         return _finish(x, _attend(q, k, v, 0), p, group)
     return _finish(x, _attend(q, keys, values, start), p, group)
 
+
+def decode_recomputes_fused(x, p, cache, group):
+    """decode_recomputes through one fused QKV matrix, torch.cat of wq, wk and wv, which is none of the shard's
+    matrices (the red team's find: it passed every case)."""
+    start, n = cache["length"], x.shape[0]
+    cache["x"] = x if start == 0 else torch.cat([cache["x"], x])
+    d, a = cache["k"].shape[-1], p["wq"].shape[0] // cache["k"].shape[-1]
+    kv, (s, b, _) = p["wk"].shape[0] // d, cache["x"].shape
+    qkv = p["ln1"](cache["x"]) @ torch.cat([p["wq"], p["wk"], p["wv"]]).T + torch.cat([p["bq"], p["bk"], p["bv"]])
+    q, k, v = (part.reshape(s, b, -1, d).permute(1, 2, 0, 3) for part in qkv.split([a * d, kv * d, kv * d], -1))
+    cache["k"][:, :, :s], cache["v"][:, :, :s], cache["length"] = k, v, s
+    return _finish(x, _attend(q[:, :, start:], k, v, start), p, group)
+
 def decode_library(x, p, cache, group):
     """Calls the library's cached attention."""
     from intralayer import inference
@@ -344,3 +357,4 @@ WRONG = [
 WRONG += [("tp_decode_block_check", decode_sdpa_top_left_causal, ["the prefill's first chunk was right but its "
                                                                   "second is not", "top left"]),
           ("tp_decode_block_check", decode_prompt_sees_only_itself, ["the prefill's second chunk"])]
+WRONG += [("tp_decode_block_check", decode_recomputes_fused, ["token rows through this rank's query matrix (wq)"])]
