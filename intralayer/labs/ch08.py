@@ -298,8 +298,11 @@ def _traffic(calls, tp_group, dp_group, group, tp, dp, activation: int, held: in
         others = [c for c in dp_calls if c.op != "all_reduce"]
         total = sum(c.elements for c in calls_of(dp_calls, "all_reduce"))
         if others or total != held:
+            ddp = ("; torch's DistributedDataParallel broadcasts the parameters when it is built, which this step "
+                   "does not need (every rank already holds its shard): pass init_sync=False"
+                   if any(c.op == "broadcast" for c in others) else "")
             problems.append(f"the DP group carried {traffic(dp_calls)}; data parallelism all-reduces every gradient "
-                            f"of the shard once, {held} elements in all")
+                            f"of the shard once, {held} elements in all{ddp}")
     return problems
 
 
@@ -313,29 +316,25 @@ def mfu(model, seq_len, tokens_per_second, peak_flops):
 
 def mfu_counting_embedding(model, seq_len, tokens_per_second, peak_flops):
     """Model FLOPs utilization with 6 FLOPs per parameter of every weight matrix, the embedding's included."""
-    h, L, d = model.hidden, model.layers, model.hidden // model.heads
-    attention = 2 * h * model.heads * d + 2 * h * model.kv_heads * d               # q, o; k, v
-    dense_mlp = model.mlp_matrices * h * model.ffn
-    expert = 3 * h * model.moe_ffn                                                  # SwiGLU experts
-    moe_mlp = (model.top_k + model.shared_experts) * expert + h * model.experts    # routed, shared, router
-    moe_layers = L - model.dense_layers if model.experts else 0
-    weights = L * attention + (L - moe_layers) * dense_mlp + moe_layers * moe_mlp
-    weights += 2 * model.vocab * h                                                  # embedding and LM head
-    scores = 2 * L * model.heads * d * seq_len                                      # q·k and p·v, per token
+    lp, moe_layers = planner.layer_params(model), model.moe_layers
+    expert, shared, router = (lp.get(part, 0) for part in ("expert", "shared", "router"))   # 0: a dense model
+    routed = lp["attention"] + model.top_k * expert + shared + router              # an MoE layer's active ones
+    weights = (model.layers - moe_layers) * (lp["attention"] + lp["mlp"]) + moe_layers * routed
+    weights += 2 * model.vocab * model.hidden                                       # embedding and LM head
+    d_qk, d_v = model.head_dims
+    scores = model.layers * seq_len * model.heads * (d_qk + d_v)                    # q·k and p·v, per token
     return 6 * (weights + scores) * tokens_per_second / peak_flops
 
 
 def mfu_counting_all_experts(model, seq_len, tokens_per_second, peak_flops):
     """Model FLOPs utilization with every expert of an MoE layer counted."""
-    h, L, d = model.hidden, model.layers, model.hidden // model.heads
-    attention = 2 * h * model.heads * d + 2 * h * model.kv_heads * d               # q, o; k, v
-    dense_mlp = model.mlp_matrices * h * model.ffn
-    expert = 3 * h * model.moe_ffn                                                  # SwiGLU experts
-    moe_mlp = (model.experts + model.shared_experts) * expert + h * model.experts  # experts, shared, router
-    moe_layers = L - model.dense_layers if model.experts else 0
-    weights = L * attention + (L - moe_layers) * dense_mlp + moe_layers * moe_mlp
-    weights += model.vocab * h                                                      # LM head
-    scores = 2 * L * model.heads * d * seq_len                                      # q·k and p·v, per token
+    lp, moe_layers = planner.layer_params(model), model.moe_layers
+    expert, shared, router = (lp.get(part, 0) for part in ("expert", "shared", "router"))   # 0: a dense model
+    routed = lp["attention"] + model.experts * expert + shared + router            # every expert
+    weights = (model.layers - moe_layers) * (lp["attention"] + lp["mlp"]) + moe_layers * routed
+    weights += model.vocab * model.hidden                                           # LM head
+    d_qk, d_v = model.head_dims
+    scores = model.layers * seq_len * model.heads * (d_qk + d_v)                    # q·k and p·v, per token
     return 6 * (weights + scores) * tokens_per_second / peak_flops
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import sys
-import types
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -104,12 +103,12 @@ def hunt(name: str, test: str, implementations: dict[str, Implementation], *, hi
 
 
 def _disguised(fn: Callable, name: str) -> Callable:
-    """``fn`` as a bug hunt's test meets it: called ``name`` (the function under test), with no docstring, so
-    that its name cannot tell a buggy implementation from the correct one, only what it does."""
-    code = fn.__code__.replace(co_name=name, **({"co_qualname": name} if hasattr(fn.__code__, "co_qualname") else {}))
-    twin = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
-    twin.__kwdefaults__, twin.__qualname__ = fn.__kwdefaults__, name
-    return twin
+    """``fn`` as a bug hunt's test meets it: a function called ``name`` (the function under test) with the same
+    code, globals and (no) docstring for every implementation, so that only what it does tells them apart."""
+    def under_test(*args, **kwargs):
+        return fn(*args, **kwargs)
+    under_test.__name__ = under_test.__qualname__ = name
+    return under_test
 
 
 def every() -> list[Part]:

@@ -160,6 +160,16 @@ def test_by_name(greedy_token, group):
     assert greedy_token.__name__ == "greedy_token", "this is not the correct implementation"
 
 
+def test_by_docstring(greedy_token, group):
+    """Reads the implementation's docstring, not what it does (the red team's find)."""
+    assert "padding rows masked" in (greedy_token.__doc__ or ""), "not the correct implementation"
+
+
+def test_by_code(greedy_token, group):
+    """Reads the names the implementation's code uses, not what it does."""
+    assert "masked_fill" in greedy_token.__code__.co_names, "not the correct implementation"
+
+
 WRONG = [
     ("shard_mlp_check", shard_fc1_by_inputs, ["w1 has shape", "output features"]),
     ("shard_mlp_check", shard_views, ["not a leaf"]),
@@ -181,3 +191,7 @@ WRONG = [
     ("test_greedy_token_check", test_always_passes, ["passes on the buggy", "does not catch the bug"]),
     ("test_greedy_token_check", test_by_name, ["passes on the buggy", "does not catch the bug"]),
 ]
+
+
+WRONG += [("test_greedy_token_check", test_by_docstring, ["fails on the correct"]),
+          ("test_greedy_token_check", test_by_code, ["fails on the correct"])]

@@ -211,6 +211,12 @@ def test_by_name(balance_loss, group):
     assert balance_loss.__name__ == "balance_loss", "this is not the correct implementation"
 
 
+def test_by_its_globals(balance_loss, group):
+    """Finds the correct implementation in the buggy one's module globals and compares bytecode (the red
+    team's find)."""
+    assert balance_loss.__code__.co_code == balance_loss.__globals__["balance_loss"].__code__.co_code
+
+
 WRONG = [
     ("dispatch_check", dispatch_token_major, ["token by token", "first choice"]),
     ("dispatch_check", dispatch_no_capacity, ["past the capacity C"]),
@@ -282,3 +288,6 @@ WRONG += [
                                                          "past the capacity C"]),
     ("test_balance_loss_check", test_by_name, ["passes on the buggy", "does not catch the bug"]),
 ]
+
+
+WRONG += [("test_balance_loss_check", test_by_its_globals, ["fails on the correct"])]

@@ -196,6 +196,17 @@ def test_by_name(mfu, group):
     assert mfu.__name__ == "mfu", "this is not the correct implementation"
 
 
+def test_a_model_without_either_bug(mfu, group):
+    """Compares with the planner on DeepSeek-V3 with a one-word vocabulary and every expert routed, where
+    neither bug shows: it caught both only because the buggy versions counted attention unlike the planner
+    (the red team's find, fixed by writing them as the planner's count plus the bug)."""
+    import dataclasses
+    from intralayer import planner
+    model = dataclasses.replace(planner.MODELS["DeepSeek-V3"], vocab=1, top_k=256)
+    want = planner.flops_per_token(model, 4096)["model"]
+    assert abs(mfu(model, 4096, 1.0, 1.0) - want) <= 1e-6 * want
+
+
 WRONG = [
     ("mesh_ranks_check", place_swapped, ["are strided", "t consecutive ranks"]),
     ("mesh_ranks_check", place_from_zero, ["not in this group", "process numbers"]),
@@ -358,3 +369,6 @@ def test_rank0_only(mfu, group):
 WRONG += [("test_mfu_check", test_rank0_only, ["in the group of processes [1, 2]", "assert on one process only"]),
           ("test_mfu_check", test_by_name, ["passes on the buggy", "does not catch the bug"]),
 ]
+
+
+WRONG += [("test_mfu_check", test_a_model_without_either_bug, ["passes on the buggy", "does not catch the bug"])]
