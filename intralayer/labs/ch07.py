@@ -83,6 +83,10 @@ class _Products(Mode):
     """
 
     PRODUCTS = ("mm", "addmm", "bmm", "baddbmm", "mv", "dot")
+    #: What makes a view or copy of the weight (a tensor merely shaped like it, new_empty or zeros_like, is not).
+    COPIES = {"t", "transpose", "permute", "view", "_unsafe_view", "reshape", "_reshape_alias", "clone", "contiguous",
+              "detach", "alias", "expand", "as_strided", "_to_copy", "copy_", "lift_fresh", "numpy_T", "unsqueeze",
+              "squeeze", "lift_fresh_copy"}
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -94,6 +98,8 @@ class _Products(Mode):
         super().__init__()
         self.storages, self.flight, self.base = storages, flight, base
         self.products: list[dict] = []
+        self.before = dict(flight["pending"])                 # receives left in flight by earlier code (the forward)
+        self.seen = dict(flight["sending"])   # sends in flight then, or at an earlier product (kept: ids stay unique)
 
     def _is_weight(self, a) -> bool:
         return isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.storages
@@ -104,12 +110,13 @@ class _Products(Mode):
         if any(self._is_weight(a) for a in tensors):
             if func.overloadpacket.__name__ in self.PRODUCTS:
                 operand = next((a for a in tensors[-2:] if not self._is_weight(a)), None)
-                if operand is not None:
+                if operand is not None:                          # a send counts for the first product it spans
                     self.products.append({"operand": operand.detach().clone(),
                                           "posted": self.flight["posted"] - self.base,
-                                          "in_flight": len(self.flight["pending"]),
-                                          "sending": len(self.flight["sending"])})
-            else:                                                # a view or copy of the weight
+                                          "in_flight": len(self.flight["pending"].keys() - self.before.keys()),
+                                          "sending": len(self.flight["sending"].keys() - self.seen.keys())})
+                    self.seen.update(self.flight["sending"])
+            elif func.overloadpacket.__name__ in self.COPIES:     # a view or copy of the weight
                 for o in (out if isinstance(out, (tuple, list)) else (out,)):
                     if isinstance(o, torch.Tensor):
                         self.storages.add(o.untyped_storage().data_ptr())

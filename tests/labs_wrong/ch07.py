@@ -536,3 +536,100 @@ class AGMBackwardWaitsForItsSend(torch.autograd.Function):
 WRONG += [("ring_allgather_matmul_check", ag_waits_for_its_send_first, ["after this rank's send of that step had been "
                                                                         "waited for", "post both"]),
           ("AllGatherMatmul_check", AGMBackwardWaitsForItsSend, ["after this rank's send of that step had been waited"])]
+
+
+def _ring_kept_sends(x_shard, weight, group, first_only=False):
+    """The forward ring whose sends stay in flight, never waited for; ``first_only``: every later step waits
+    for its own send before the product."""
+    t, r = dist.get_world_size(group), dist.get_rank(group)
+    n = x_shard.shape[0]
+    out, gathered = x_shard.new_empty(t * n, weight.shape[0]), x_shard.new_empty(t * n, x_shard.shape[1])
+    held, kept = x_shard.contiguous(), []
+    for i in range(t):
+        q = (r - i) % t
+        if i < t - 1:
+            incoming, (send, recv) = _exchange(held, group)
+            if first_only and i > 0:
+                send.wait()
+            else:
+                kept.append(send)
+        out[q * n:(q + 1) * n] = F.linear(held, weight)
+        gathered[q * n:(q + 1) * n] = held
+        if i < t - 1:
+            recv.wait()
+            held = incoming
+    _ring_kept_sends.kept = kept                      # alive, so gloo keeps them going
+    return out, gathered
+
+
+def ag_waits_for_its_send_but_the_first(x_shard, weight, group):
+    """Leaves step 0's send in flight for ever and waits for every later step's send before its product: the
+    check counted any send in flight (the second red team's find)."""
+    return _ring_kept_sends(x_shard, weight, group, first_only=True)
+
+
+class AGMLeftoverSends(torch.autograd.Function):
+    """The forward leaves its sends in flight; the backward waits for each partial sum's send before the next
+    product, and the forward's sends were counted for it (the second red team's find)."""
+
+    @staticmethod
+    def forward(ctx, x_shard, weight, group):
+        out, gathered = _ring_kept_sends(x_shard, weight, group)
+        ctx.save_for_backward(weight, gathered)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, gathered = ctx.saved_tensors
+        return _rs_ring(grad, weight, ctx.group, send_first=True), grad.T @ gathered, None
+
+
+WRONG += [("ring_allgather_matmul_check", ag_waits_for_its_send_but_the_first, ["after this rank's send of that "
+                                                                                "step had been waited for"]),
+          ("AllGatherMatmul_check", AGMLeftoverSends, ["after this rank's send of that step had been waited"])]
+
+
+def ag_buffers_from_the_weight(x_shard, weight, group):
+    """A right ring whose buffers are made with weight.new_empty (rejected as a product with the weight's copy
+    until the second red team's find)."""
+    t, r = dist.get_world_size(group), dist.get_rank(group)
+    n = x_shard.shape[0]
+    out, gathered = weight.new_empty(t * n, weight.shape[0]), weight.new_empty(t * n, x_shard.shape[1])
+    held = x_shard.contiguous()
+    for i in range(t):
+        q = (r - i) % t
+        if i < t - 1:
+            incoming, requests = _exchange(held, group)
+        out[q * n:(q + 1) * n] = F.linear(held, weight)
+        gathered[q * n:(q + 1) * n] = held
+        if i < t - 1:
+            for request in requests:
+                request.wait()
+            held = incoming
+    return out, gathered
+
+
+class AGMWeightGradOutOfPlace(torch.autograd.Function):
+    """A right layer whose buffers come from weight.new_empty and whose weight gradient is built block by block
+    with torch.addmm out of place, from zeros_like(weight)."""
+
+    @staticmethod
+    def forward(ctx, x_shard, weight, group):
+        out, gathered = ag_buffers_from_the_weight(x_shard, weight, group)
+        ctx.save_for_backward(weight, gathered)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, gathered = ctx.saved_tensors
+        t, n = dist.get_world_size(ctx.group), gathered.shape[0] // dist.get_world_size(ctx.group)
+        dw = torch.zeros_like(weight)
+        for q in range(t):
+            dw = torch.addmm(dw, grad[q * n:(q + 1) * n].T, gathered[q * n:(q + 1) * n])
+        return _rs_ring(grad, weight, ctx.group), dw, None
+
+
+#: Right answers in forms the checks must accept.
+RIGHT = [("ring_allgather_matmul_check", ag_buffers_from_the_weight), ("AllGatherMatmul_check", AGMWeightGradOutOfPlace)]
