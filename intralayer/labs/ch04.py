@@ -17,10 +17,13 @@ consecutive tokens of q, k and v, laid out ``(b, a, s/P, d)`` (rank i: tokens i�
 
 The checks compare with dense attention in float64 (outputs, log-sum-exps and the gradients
 of q, k and v), causal or not, and follow every message: to the right neighbour only, the
-bytes of the ring, and in the forward pass which rank's block each message carried, that no
-score matrix spans more than one block's keys, and that when the last block has arrived no
-rank still holds three or more other ranks' blocks (found by value among the tensors alive
-in the rank: a ring holds the block it computes on and at most the one before it).
+bytes of the ring, and in the forward pass which rank's block each message carried (k and v
+apart, or packed into one message), that no score matrix spans more than one block's keys,
+that scores over one block's keys were computed before the last block arrived (at least P − 3
+blocks' worth), and that when the last block has arrived no rank still holds three or more
+other ranks' blocks (found by value, in any order, among the tensors alive in the rank: a
+ring holds the block it computes on and at most the one before it) — in part 2 forward and
+backward.
 Collectives are refused while the learner's code runs, and so is the library's own ring
 (:mod:`intralayer.context_parallel`).
 
@@ -194,13 +197,14 @@ class _ScoreWidths(Mode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        last_arrived = self.arrived is not None and name in _PRODUCTS | {"sum"} and self.arrived()
-        if self.held is None and self.census and name in _PRODUCTS and last_arrived:
+        counted = name in _PRODUCTS | {"sum"}
+        last_arrived = self.arrived is not None and (counted or self.held is None) and self.arrived()
+        if self.held is None and self.census and last_arrived:      # the first operation after the last block
             self.held = self.census()
         out = func(*args, **(kwargs or {}))
-        if self.arrived is not None and not last_arrived and name in _PRODUCTS | {"sum"} and \
-                isinstance(out, torch.Tensor) and out.is_floating_point() and out.shape[-2:] == (SL_, SL_):
-            self.early += 1                  # one block's scores (or their transpose), before the last block came
+        if self.arrived is not None and not last_arrived and counted and isinstance(out, torch.Tensor) and \
+                out.is_floating_point() and out.dim() >= 2 and max(out.shape[-2:]) == SL_:
+            self.early += 1                  # block-sized scores (s/P keys by up to s/P queries, or transposed)
         if name in _SCORE_OPS:
             for t in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 2 and t.shape[-2] == SL_ \
@@ -214,12 +218,14 @@ _PRODUCTS = {"bmm", "mm", "baddbmm", "addmm", "matmul"}
 
 def _blocks_in_memory(K, V, n: int, me: int, skip: list[torch.Tensor]) -> list[int]:
     """The group ranks other than ``me`` whose key or value block some tensor alive in this process holds
-    (the tensor itself, or an aligned stretch of a larger buffer it views), found by value among every
+    (the tensor itself, or an aligned stretch of a larger buffer it views; its values in any order, so a
+    transposed copy counts), found by value among every
     object the garbage collector tracks. ``skip``: the check's own tensors (the whole K and V, the copies
     the monitor keeps of what was sent)."""
     N = B_ * A_ * SL_ * D_
     gc.collect()                                               # alive: reachable, not garbage not yet collected
-    wanted = [(r, whole[:, :, _mine(n, r)].reshape(-1)) for whole in (K, V) for r in range(n) if r != me]
+    wanted = [(r, whole[:, :, _mine(n, r)].reshape(-1).sort().values) for whole in (K, V)
+              for r in range(n) if r != me]
     copies = [o.data for o in gc.get_objects() if type(o) is Call and o.data is not None]      # the recorder's
     seen = {t.untyped_storage().data_ptr() for t in skip + copies + [block for _, block in wanted]}
     found = set()
@@ -235,7 +241,8 @@ def _blocks_in_memory(K, V, n: int, me: int, skip: list[torch.Tensor]) -> list[i
         seen.add(storage.data_ptr())
         flat = torch.empty(0, dtype=torch.float64).set_(storage)
         for start in range(0, flat.numel() - N + 1, N):
-            found.update(r for r, block in wanted if torch.equal(flat[start:start + N], block))
+            piece = flat[start:start + N].sort().values              # the block's values in any layout
+            found.update(r for r, block in wanted if torch.equal(piece, block))
     return sorted(found)
 
 
@@ -264,15 +271,15 @@ def _one_block_at_a_time(widths: _ScoreWidths, n: int) -> list[str]:
 
 def _merged_as_they_came(widths: _ScoreWidths, n: int, me: int, causal: bool) -> list[str]:
     """Ring attention computes on each block while it holds it, so before the last block arrives it has computed
-    the scores of at least P − 2 blocks (it may compute the one it holds as it passes it on, and the last one
-    after): causal, of min(me, P − 2), the blocks it needs (its own and those of the ranks before it) that it can
-    have held by then. The score products are s/P × s/P; a rank that computes only after every block has come
-    holds them all, however it lays its scores out (a row at a time, keys by queries, one buffer)."""
-    need = min(me, n - 2) if causal else n - 2
+    the scores of at least P − 3 blocks (it may compute a block after passing it on, and its own last): causal,
+    of min(me, P − 3), the blocks it needs (its own and those of the ranks before it). A score product is over
+    one block's keys (s/P by up to s/P, either way round: a row at a time counts too); a rank that computes
+    only after every block has come holds them all, however it lays its scores out."""
+    need = max(0, min(me, n - 3) if causal else n - 3)
     if widths.early >= need:
         return []
-    return [f"before the last block arrived it had computed the scores of {widths.early} block"
-            f"{'' if widths.early == 1 else 's'} (products of s/P × s/P = {SL_} × {SL_}); ring attention computes on "
+    return [f"before the last block arrived it had made {widths.early} score product"
+            f"{'' if widths.early == 1 else 's'} over one block's keys (s/P = {SL_}); ring attention computes on "
             f"each block while it holds it and merges the result into (out, lse) — on {n} ranks at least {need} "
             "before the last block arrives — so that it never needs the whole sequence's keys and values at once: "
             "computing only after every block has arrived means holding them all"]
@@ -398,9 +405,14 @@ def check_backward(ns, case, group) -> dict:
     problems += [f"the forward pass: {p}" for p in ring or _merged_as_they_came(widths, n, me, causal)]
     backward = []
     if isinstance(out, torch.Tensor) and out.requires_grad and out.shape == q.shape:
-        with watch() as backward, _ScoreWidths() as widths:
-            out.backward(U[:, :, mine].clone())
-        problems += [f"the backward pass: {p}" for p in _one_block_at_a_time(widths, n)]
+        with watch() as backward:
+            arrived = lambda: (sum(c.elements for c in calls_of(backward, "recv")) >= 2 * (n - 1) * N
+                               and not FLIGHT["pending"])   # as many numbers as P − 1 moves of K and V
+            census = lambda: _blocks_in_memory(K, V, n, me, [Q, K, V, Ql, Kl, Vl]
+                                               + [c.data for c in calls_of(forward + backward, "send")])
+            with _ScoreWidths(arrived, census) as widths:
+                out.backward(U[:, :, mine].clone())
+        problems += [f"the backward pass: {p}" for p in _one_block_at_a_time(widths, n) + _held_problem(widths.held, n)]
         grads = {"q": (q.grad, Ql.grad[:, :, mine]), "k": (k.grad, Kl.grad[:, :, mine]),
                  "v": (v.grad, Vl.grad[:, :, mine])}
         bad = []

@@ -559,9 +559,9 @@ WRONG = [
     ("test_ring_attention_check", test_against_own_block, ["fails on the correct",
                                                            "must pass on a correct implementation"]),
     ("test_ring_attention_check", test_by_name, ["fails on the correct"]),
-    ("ring_attention_check", ring_dense_keys_by_queries, ["before the last block arrived it had computed the scores of 0 blocks",
+    ("ring_attention_check", ring_dense_keys_by_queries, ["before the last block arrived it had made 0 score products",
                                                           "computes on each block while it holds it"]),
-    ("ring_attention_check", ring_dense_row_by_row, ["before the last block arrived it had computed the scores of 0 blocks"]),
+    ("ring_attention_check", ring_dense_row_by_row, ["before the last block arrived it had made 0 score products"]),
     ("ring_attention_check", ring_functional_gather, ["all-gather is not allowed here"]),
     ("ring_attention_backward_check", DenseForwardRingBackward, ["the forward pass: it computed scores (or their softmax) over"]),
 ]
@@ -583,5 +583,97 @@ def ring_packs_k_and_v(q, k, v, group, causal):
     return out, lse
 
 
+def ring_exchange_first_own_last(q, k, v, group, causal):
+    """A right ring that exchanges first, computes on the block it held before the exchange, and merges its own
+    block last (rejected as too late until the second red team's find)."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    held = [k, v]
+    for step in range(P):
+        previous, owner = held, (me - step) % P
+        if step < P - 1:
+            held = _step(held, group)
+        z = _scores(q, previous[0], owner, me, causal) if step > 0 else None
+        if z is not None:
+            out, lse = _merge(out, lse, torch.softmax(z, -1) @ previous[1], torch.logsumexp(z, -1))
+    z = _scores(q, k, me, me, causal)
+    return _merge(out, lse, torch.softmax(z, -1) @ v, torch.logsumexp(z, -1))
+
+
+def ring_row_by_row(q, k, v, group, causal):
+    """A right ring that computes each block's scores one query row at a time, (1, s/P) each."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    held = [k, v]
+    for step in range(P):
+        owner = (me - step) % P
+        if not (causal and owner > me):
+            rows_out, rows_lse = [], []
+            for i in range(q.shape[2]):
+                z = q[:, :, i:i + 1] @ held[0].transpose(-2, -1) / math.sqrt(q.shape[-1])   # (b, a, 1, s/P)
+                if causal and owner == me:
+                    z = z.masked_fill(torch.arange(z.shape[-1]) > i, float("-inf"))
+                rows_out.append(torch.softmax(z, -1) @ held[1])
+                rows_lse.append(torch.logsumexp(z, -1))
+            out, lse = _merge(out, lse, torch.cat(rows_out, 2), torch.cat(rows_lse, 2))
+        if step < P - 1:
+            held = _step(held, group)
+    return out, lse
+
+
+def ring_dummy_products_then_dense(q, k, v, group, causal):
+    """One throw-away block-sized product per step, every block kept, then one dense softmax (the second red
+    team's find: the census looked only at the first product after the last block came)."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    ks, vs, held = {me: k}, {me: v}, [k, v]
+    for step in range(1, P):
+        _ = q @ held[0].transpose(-2, -1)
+        held = _step(held, group)
+        ks[(me - step) % P], vs[(me - step) % P] = held
+    K, V = torch.cat([ks[r] for r in range(P)], 2), torch.cat([vs[r] for r in range(P)], 2)
+    z = q @ K.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if causal:
+        sl = q.shape[2]
+        z = z.masked_fill(torch.arange(P * sl)[None, :] > me * sl + torch.arange(sl)[:, None], float("-inf"))
+    return torch.softmax(z, -1) @ V, torch.logsumexp(z, -1)
+
+
+class BackwardCollectsEveryBlockFirst(torch.autograd.Function):
+    """The backward passes K and V round first and keeps every block, then runs the dK, dV ring: right values and
+    bytes, the whole sequence's keys in memory (the second red team's find: the backward had no census)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal):
+        out, lse = _ring(q, k, v, group, causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal = group, causal
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, causal = ctx.group, ctx.causal
+        P, me = dist.get_world_size(group), dist.get_rank(group)
+        blocks = [[k, v]]
+        for _ in range(P - 1):
+            blocks.append(_step(blocks[-1], group))                  # every block, kept
+        scale, delta = 1 / math.sqrt(q.shape[-1]), (dout * out).sum(-1, keepdim=True)
+        dq, moving = torch.zeros_like(q), [torch.zeros_like(k), torch.zeros_like(v)]
+        for step, (kb, vb) in enumerate(blocks):
+            z = _scores(q, kb, (me - step) % P, me, causal)
+            if z is not None:
+                p = torch.exp(z - lse[..., None])
+                dz = p * (dout @ vb.transpose(-2, -1) - delta)
+                dq = dq + dz @ kb * scale
+                moving = [moving[0] + dz.transpose(-2, -1) @ q * scale, moving[1] + p.transpose(-2, -1) @ dout]
+            moving = _step(moving, group)
+        return dq, moving[0], moving[1], None, None
+
+
+WRONG += [("ring_attention_check", ring_dummy_products_then_dense, ["still held the key/value blocks of group ranks"]),
+          ("ring_attention_backward_check", BackwardCollectsEveryBlockFirst,
+           ["the backward pass: when the last block arrived this rank still held"])]
+
 #: Right answers in forms the checks must accept.
-RIGHT = [("ring_attention_check", ring_packs_k_and_v)]
+RIGHT = [("ring_attention_check", ring_packs_k_and_v), ("ring_attention_check", ring_exchange_first_own_last),
+         ("ring_attention_check", ring_row_by_row)]
