@@ -461,6 +461,15 @@ def _every_block(q, k, v, group):
     return K, V
 
 
+def _dense(q, K, V, me, causal):
+    """One dense softmax of this rank's queries over every key: (out, lse)."""
+    z = q @ K.transpose(-2, -1) / math.sqrt(q.shape[-1])                     # (b, a, s/P, s)
+    if causal:
+        sl = q.shape[2]
+        z = z.masked_fill(torch.arange(K.shape[2])[None, :] > me * sl + torch.arange(sl)[:, None], float("-inf"))
+    return torch.softmax(z, -1) @ V, torch.logsumexp(z, -1)
+
+
 def ring_dense_keys_by_queries(q, k, v, group, causal):
     """The ring into one buffer, then one dense softmax over every key with the scores laid out keys by
     queries, (s, s/P), so that no score matrix is s/P rows by several blocks wide (the red team's find)."""
@@ -491,13 +500,8 @@ def ring_functional_gather(q, k, v, group, causal):
     """Gathers the keys and values with torch's functional all-gather (what DTensor uses), whose operators
     are not c10d's: the recorder saw them only after the red team's find."""
     import torch.distributed._functional_collectives as fc
-    P, me = dist.get_world_size(group), dist.get_rank(group)
     K, V = (fc.all_gather_tensor(t.contiguous(), 2, group) for t in (k, v))
-    z = q @ K.transpose(-2, -1) / math.sqrt(q.shape[-1])
-    if causal:
-        sl = q.shape[2]
-        z = z.masked_fill(torch.arange(P * sl)[None, :] > me * sl + torch.arange(sl)[:, None], float("-inf"))
-    return torch.softmax(z, -1) @ V, torch.logsumexp(z, -1)
+    return _dense(q, K, V, dist.get_rank(group), causal)
 
 
 class DenseForwardRingBackward(torch.autograd.Function):
@@ -506,13 +510,7 @@ class DenseForwardRingBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, causal):
-        P, me = dist.get_world_size(group), dist.get_rank(group)
-        K, V = _every_block(q, k, v, group)
-        z = q @ K.transpose(-2, -1) / math.sqrt(q.shape[-1])               # (b, a, s/P, s)
-        if causal:
-            sl = q.shape[2]
-            z = z.masked_fill(torch.arange(P * sl)[None, :] > me * sl + torch.arange(sl)[:, None], float("-inf"))
-        out, lse = torch.softmax(z, -1) @ V, torch.logsumexp(z, -1)
+        out, lse = _dense(q, *_every_block(q, k, v, group), dist.get_rank(group), causal)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal = group, causal
         return out
@@ -630,12 +628,7 @@ def ring_dummy_products_then_dense(q, k, v, group, causal):
         _ = q @ held[0].transpose(-2, -1)
         held = _step(held, group)
         ks[(me - step) % P], vs[(me - step) % P] = held
-    K, V = torch.cat([ks[r] for r in range(P)], 2), torch.cat([vs[r] for r in range(P)], 2)
-    z = q @ K.transpose(-2, -1) / math.sqrt(q.shape[-1])
-    if causal:
-        sl = q.shape[2]
-        z = z.masked_fill(torch.arange(P * sl)[None, :] > me * sl + torch.arange(sl)[:, None], float("-inf"))
-    return torch.softmax(z, -1) @ V, torch.logsumexp(z, -1)
+    return _dense(q, torch.cat([ks[r] for r in range(P)], 2), torch.cat([vs[r] for r in range(P)], 2), me, causal)
 
 
 class BackwardCollectsEveryBlockFirst(torch.autograd.Function):

@@ -13,12 +13,14 @@ def _exchange(held, group):
     return incoming, dist.batch_isend_irecv(ops)
 
 
-def _ring(x_shard, weight, group, place=None, wait_first=False, post_late=False, pass_own=False, send_first=False):
+def _ring(x_shard, weight, group, place=None, wait_first=False, post_late=False, pass_own=False, send_first=False,
+          like=None):
     """The forward ring with one thing changed; ``place(r, i, t)`` is where step i's product goes."""
     t, r = dist.get_world_size(group), dist.get_rank(group)
     n = x_shard.shape[0]
-    out = x_shard.new_empty(t * n, weight.shape[0])
-    gathered = x_shard.new_empty(t * n, x_shard.shape[1])
+    like = x_shard if like is None else like                 # what the buffers are made from
+    out = like.new_empty(t * n, weight.shape[0])
+    gathered = like.new_empty(t * n, x_shard.shape[1])
     held = x_shard.contiguous()
     for i in range(t):
         q = (r - i) % t if place is None else place(r, i, t)
@@ -593,21 +595,7 @@ WRONG += [("ring_allgather_matmul_check", ag_waits_for_its_send_but_the_first, [
 def ag_buffers_from_the_weight(x_shard, weight, group):
     """A right ring whose buffers are made with weight.new_empty (rejected as a product with the weight's copy
     until the second red team's find)."""
-    t, r = dist.get_world_size(group), dist.get_rank(group)
-    n = x_shard.shape[0]
-    out, gathered = weight.new_empty(t * n, weight.shape[0]), weight.new_empty(t * n, x_shard.shape[1])
-    held = x_shard.contiguous()
-    for i in range(t):
-        q = (r - i) % t
-        if i < t - 1:
-            incoming, requests = _exchange(held, group)
-        out[q * n:(q + 1) * n] = F.linear(held, weight)
-        gathered[q * n:(q + 1) * n] = held
-        if i < t - 1:
-            for request in requests:
-                request.wait()
-            held = incoming
-    return out, gathered
+    return _ring(x_shard, weight, group, like=weight)
 
 
 class AGMWeightGradOutOfPlace(torch.autograd.Function):
