@@ -223,7 +223,6 @@ def _blocks_in_memory(K, V, n: int, me: int, skip: list[torch.Tensor]) -> list[i
     object the garbage collector tracks. ``skip``: the check's own tensors (the whole K and V, the copies
     the monitor keeps of what was sent)."""
     N = B_ * A_ * SL_ * D_
-    gc.collect()                                               # alive: reachable, not garbage not yet collected
     wanted = [(r, whole[:, :, _mine(n, r)].reshape(-1).sort().values) for whole in (K, V)
               for r in range(n) if r != me]
     copies = [o.data for o in gc.get_objects() if type(o) is Call and o.data is not None]      # the recorder's
