@@ -157,6 +157,9 @@ def _reworded(text: str, said: str | None, group) -> str | None:
     """A first line for an error that a peer computed from the process number causes (gloo's and torch's
     words name neither), or None."""
     members = dist.get_process_group_ranks(group)
+    if m := re.search(r"ProcessGroupGloo::alltoall: (invalid tensor size[^\n]*)", text):
+        return (f"gloo's list dist.all_to_all needs every tensor the same size ({m[1].strip()}): for uneven "
+                "splits use dist.all_to_all_single with input_split_sizes and output_split_sizes")
     if m := re.search(r"Global rank (\d+) is not part of group", text):
         return (f"torch read peer {m[1]} as a process number (dst=, src= and a P2POp's peer are global ranks, even "
                 f"with group=), and process {m[1]} is not in this group (processes {members}): name the peer by its "
