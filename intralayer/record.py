@@ -59,6 +59,7 @@ _FUNCTIONAL = {**{name: (op, "input", None) for name, op in (
     "all_gather_into_tensor_coalesced": ("all_gather", "inputs", None), "all_reduce_coalesced": ("all_reduce", "inputs", None),
     "all_reduce_coalesced_": ("all_reduce", "inputs", None), "reduce_scatter_tensor_coalesced": ("reduce_scatter", "inputs", None),
     "isend": ("send", "tensor", "dst"), "irecv": ("recv", "tensor", "src"), "batch_p2p_ops": (None, "tensors", "peer_list")}
+_TABLES = {"c10d": _OPS, "_c10d_functional": _FUNCTIONAL}
 OPERATIONS = frozenset(op for op, _, _ in _OPS.values())
 COLLECTIVES = OPERATIONS - {"send", "recv"}
 
@@ -99,13 +100,16 @@ class Recorder(Mode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        spec = {"c10d": _OPS, "_c10d_functional": _FUNCTIONAL}.get(func.namespace, {}).get(func._opname)
+        spec = _TABLES.get(func.namespace, {}).get(func._opname)
         if spec is None:
             return func(*args, **kwargs)
         (op, sized, peer), functional = spec, func.namespace != "c10d"
         named = {**{a.name: v for a, v in zip(func._schema.arguments, args)}, **kwargs}
-        group = dist.ProcessGroup.unbox(named["process_group"]) if not functional else named["group_name"] \
-            if isinstance(named["group_name"], dist.ProcessGroup) else c10d._resolve_process_group(named["group_name"])
+        if functional:                                      # a group's name (or, in some overloads, the group)
+            group = named["group_name"]
+            group = group if isinstance(group, dist.ProcessGroup) else c10d._resolve_process_group(group)
+        else:
+            group = dist.ProcessGroup.unbox(named["process_group"])
         tensors, members = _tensors(named[sized]), tuple(dist.get_process_group_ranks(group))
         ops = [("send" if o == "isend" else "recv") for o in named["op_list"]] if op is None else [op] * len(tensors)
         peers = named[peer] if op is None else [named[peer]] * len(tensors) if peer else [None] * len(tensors)
