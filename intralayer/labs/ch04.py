@@ -55,9 +55,9 @@ from .runner import COLLECTIVES, FLIGHT, Mode, watch
 #: lse, and below 1e-12 in the outputs (probabilities and values of order 1). 1e-9 leaves a
 #: margin and sits far below any wrong answer (a missing block shifts an output by ~0.1).
 TOL = dict(rtol=1e-9, atol=1e-9)
-B_, A_, SL_, D_ = 2, 2, 3, 4                # b, heads a, tokens per rank s/P, head dim d
+B_, A_, SL_ = 2, 2, 3                        # b, heads a, tokens per rank s/P (the head dim d is a case parameter)
 LOUD = 1000.0                                # a score of each loud row: exp(1000) overflows float64
-PARAMS = {"causal": Param(False, (False, True)), "seed": Param(0, minimum=0)}
+PARAMS = {"causal": Param(False, (False, True)), "d": Param(4, (4, 8)), "seed": Param(0, minimum=0)}
 WHY = ("this lab builds the ring from point-to-point sends and receives (dist.send/recv, isend/irecv, "
        "batch_isend_irecv), not from a collective or the library's own ring attention (intralayer.context_parallel)")
 
@@ -69,17 +69,18 @@ def inputs(case: dict, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     own token on rank 0), so that block's log-sum-exp is at least 1000 (causal or not).
     """
     g = torch.Generator().manual_seed(1000 * case["seed"] + n)
-    Q, K, V = (torch.randn(B_, A_, SL_ * n, D_, generator=g, dtype=torch.float64) for _ in range(3))
+    d = case["d"]
+    Q, K, V = (torch.randn(B_, A_, SL_ * n, d, generator=g, dtype=torch.float64) for _ in range(3))
     for r in range(n):
         qpos = r * SL_
         key = K[:, :, max(qpos - 1, 0)]                                        # (b, a, d)
-        Q[:, :, qpos] = LOUD * math.sqrt(D_) * key / (key * key).sum(-1, keepdim=True)
+        Q[:, :, qpos] = LOUD * math.sqrt(d) * key / (key * key).sum(-1, keepdim=True)
     return Q, K, V
 
 
-def dense(Q, K, V, causal: bool):
-    """Softmax attention over the whole sequence: (out, lse), differentiable."""
-    z = Q @ K.transpose(-2, -1) / math.sqrt(D_)                               # (b, a, s, s)
+def dense(Q, K, V, causal: bool, scale: float | None = None):
+    """Softmax attention over the whole sequence: (out, lse), differentiable; the scale 1/√d by default."""
+    z = Q @ K.transpose(-2, -1) * (scale or 1 / math.sqrt(Q.shape[-1]))     # (b, a, s, s)
     if causal:
         s = z.shape[-1]
         z = z.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
@@ -139,7 +140,7 @@ def _packed(data: torch.Tensor, K, V, n: int) -> list[tuple[str, int]] | None:
 def kv_messages(sends, K, V, n: int, me: int) -> list[str]:
     """Problems with what the forward pass's messages carried: at step j (1-based) a rank passes on
     the key and value blocks of group rank me − j + 1, the ones it received at step j − 1."""
-    N = B_ * A_ * SL_ * D_
+    N = B_ * A_ * SL_ * K.shape[-1]
     labels = []
     for i, s in enumerate(sends):
         flat = s.data.reshape(-1)
@@ -222,7 +223,7 @@ def _blocks_in_memory(K, V, n: int, me: int, skip: list[torch.Tensor]) -> list[i
     transposed copy counts), found by value among every
     object the garbage collector tracks. ``skip``: the check's own tensors (the whole K and V, the copies
     the monitor keeps of what was sent)."""
-    N = B_ * A_ * SL_ * D_
+    N = B_ * A_ * SL_ * K.shape[-1]
     wanted = [(r, whole[:, :, _mine(n, r)].reshape(-1).sort().values) for whole in (K, V)
               for r in range(n) if r != me]
     copies = [o.data for o in gc.get_objects() if type(o) is Call and o.data is not None]      # the recorder's
@@ -310,15 +311,22 @@ def _wrong_attention(Q, K, V, n: int, me: int, causal: bool) -> dict[str, dict[s
     flip_out, flip_lse = dense(Q, K, V, not causal)
     other = "with a causal mask, though this case has none" if not causal else \
         "without the causal mask: a query sees only the keys at or before its position"
-    return {"out": {"attention to this rank's own keys only: the other ranks' blocks never arrived or never "
-                    "merged": own_out, other: flip_out[:, :, mine]},
-            "lse": {"the log-sum-exp over this rank's own keys only": own_lse, other: flip_lse[:, :, mine]}}
+    wrongs = {"out": {"attention to this rank's own keys only: the other ranks' blocks never arrived or never "
+                      "merged": own_out, other: flip_out[:, :, mine]},
+              "lse": {"the log-sum-exp over this rank's own keys only": own_lse, other: flip_lse[:, :, mine]}}
+    d = Q.shape[-1]
+    for wrong_d in {4, 8} - {d}:            # the scale of the other head dim: a hard-coded 1/√d
+        out, lse = dense(Q, K, V, causal, 1 / math.sqrt(wrong_d))
+        words = (f"attention with the scores scaled by 1/√{wrong_d}, though this case's head dim is d = {d}: take "
+                 "d from q.shape[-1]")
+        wrongs["out"][words], wrongs["lse"][words] = out[:, :, mine], lse[:, :, mine]
+    return wrongs
 
 
 # ---------------------------------------------------------------------------- part 1: the forward ring
 
 def _summary_forward(facts: dict) -> str:
-    return (f"{facts['n']} ranks{', causal' if facts['causal'] else ''}: out and lse equal dense attention's "
+    return (f"{facts['n']} ranks{', causal' if facts['causal'] else ''}, d = {facts['d']}: out and lse equal dense attention's "
             f"(loud rows included); each rank passed {facts['n'] - 1} key/value block pair"
             f"{'s' if facts['n'] > 2 else ''} to its right neighbour, {facts['sent']} bytes = "
             "(P−1)·2·b·a·(s/P)·d·e")
@@ -332,7 +340,7 @@ def check_forward(ns, case, group) -> dict:
     Q, K, V = inputs(case, n)
     mine = _mine(n, me)
     q, k, v = (t[:, :, mine].clone() for t in (Q, K, V))
-    N = B_ * A_ * SL_ * D_
+    N = B_ * A_ * SL_ * K.shape[-1]
     with watch() as calls:
         arrived = lambda: (sum(c.elements for c in calls_of(calls, "recv")) >= 2 * (n - 1) * N
                            and not FLIGHT["pending"])
@@ -353,20 +361,21 @@ def check_forward(ns, case, group) -> dict:
                 problems.append(wrong + _diagnose(value, want, name, wrongs[name]))
     problems += ring_links(calls, n, me)
     sends = calls_of(calls, "send")
-    block = B_ * A_ * SL_ * D_ * Q.element_size()
+    block = B_ * A_ * SL_ * Q.shape[-1] * Q.element_size()
     problems += _bytes_problem(sends, 2 * (n - 1) * block, f"a ring passes every key and value block on P − 1 "
                                f"times (P = {n}): (P−1)·2·b·a·(s/P)·d·e")
     problems += kv_messages(sends, K, V, n, me)
     problems += _one_block_at_a_time(widths, n) + _held_problem(widths.held, n)
     problems += [] if problems else _merged_as_they_came(widths, n, me, causal)
-    return {"problems": problems, "facts": {"n": n, "causal": causal, "sent": sum(s.bytes for s in sends)}}
+    return {"problems": problems, "facts": {"n": n, "causal": causal, "d": case["d"],
+                                                "sent": sum(s.bytes for s in sends)}}
 
 
 # ---------------------------------------------------------------------------- part 2: the backward ring
 
 def _summary_backward(facts: dict) -> str:
     moves = f"{facts['n'] - 1} move{'s' if facts['n'] > 2 else ''} of K, V"
-    return (f"{facts['n']} ranks{', causal' if facts['causal'] else ''}: out and the gradients of q, k and v equal "
+    return (f"{facts['n']} ranks{', causal' if facts['causal'] else ''}, d = {facts['d']}: out and the gradients of q, k and v equal "
             f"dense attention's; forward {facts['forward']} bytes ({moves}), backward {facts['backward']} bytes "
             f"({moves} and {facts['n']} of dK, dV)")
 
@@ -384,7 +393,7 @@ def check_backward(ns, case, group) -> dict:
     (out_d * U).sum().backward()                                              # the loss of every rank's rows
     mine = _mine(n, me)
     q, k, v = (t[:, :, mine].clone().requires_grad_() for t in (Q, K, V))
-    N = B_ * A_ * SL_ * D_
+    N = B_ * A_ * SL_ * K.shape[-1]
     with watch() as forward:
         arrived = lambda: (sum(c.elements for c in calls_of(forward, "recv")) >= 2 * (n - 1) * N
                            and not FLIGHT["pending"])
@@ -393,7 +402,7 @@ def check_backward(ns, case, group) -> dict:
         with _ScoreWidths(arrived, census) as widths:
             out = ns.RingAttention.apply(q, k, v, group, causal)
     problems = []
-    block = B_ * A_ * SL_ * D_ * Q.element_size()
+    block = B_ * A_ * SL_ * Q.shape[-1] * Q.element_size()
     wrong = differ(out, out_d.detach()[:, :, mine], "the output", **TOL)
     if wrong:
         problems.append(wrong + _diagnose(out, out_d.detach()[:, :, mine], "the output", {}))
@@ -433,7 +442,7 @@ def check_backward(ns, case, group) -> dict:
                         "torch.autograd.Function.apply does")
     if earlier:                              # what the rest found would only repeat it
         return {"problems": earlier, "facts": {}}
-    return {"problems": problems, "facts": {"n": n, "causal": causal,
+    return {"problems": problems, "facts": {"n": n, "causal": causal, "d": case["d"],
                                             "forward": sum(s.bytes for s in calls_of(forward, "send")),
                                             "backward": sum(s.bytes for s in calls_of(backward, "send"))}}
 

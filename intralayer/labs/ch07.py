@@ -50,8 +50,8 @@ from .runner import COLLECTIVES, FLIGHT, Mode, watch
 #: of such products; 2γ_n·Σ|terms| with n ≤ 20 and Σ|terms| ≲ 20 is ≈ 1e-13, so 1e-10 is
 #: a wide margin far below any wrong answer (a missing or misplaced block is of order 1).
 TOL = dict(rtol=1e-10, atol=1e-10)
-K_, O_ = 5, 4                                          # in and out features of the layer
-PARAMS = {"rows": Param(2, minimum=1), "seed": Param(0, minimum=0)}
+K_ = 5                                                 # in features (out features: the case's "out")
+PARAMS = {"rows": Param(2, minimum=1), "out": Param(4, (4, 6)), "seed": Param(0, minimum=0)}
 WHY = ("this lab builds the ring from point-to-point sends and receives (dist.P2POp, "
        "dist.batch_isend_irecv); intralayer.overlap holds the answer and intralayer.comm's ring "
        "exchange would do the sending for you")
@@ -66,8 +66,8 @@ def layer(case: dict, t: int) -> dict:
     g = torch.Generator().manual_seed(7000 + 100 * case["seed"] + t)
     n = case["rows"]
     x = torch.randn(t * n, K_, generator=g, dtype=torch.float64)                   # (t·n, k)
-    weights = [torch.randn(O_, K_, generator=g, dtype=torch.float64) for _ in range(t)]
-    grads = [torch.randn(t * n, O_, generator=g, dtype=torch.float64) for _ in range(t)]
+    weights = [torch.randn(case["out"], K_, generator=g, dtype=torch.float64) for _ in range(t)]
+    grads = [torch.randn(t * n, case["out"], generator=g, dtype=torch.float64) for _ in range(t)]
     return {"x": x, "weights": weights, "grads": grads, "n": n}
 
 
@@ -229,7 +229,8 @@ def ring_messages(calls, t: int, me: int, elements: int, what: str) -> list[str]
 
 def _summary_forward(facts: dict) -> str:
     sends = f"{facts['sends']} send{'s' if facts['sends'] != 1 else ''}"
-    return (f"{facts['n']} ranks: out and gathered equal the dense layer's; {sends} of "
+    return (f"{facts['n']} ranks (n = {facts['shape'][0]}, o = {facts['shape'][1]}): out and gathered equal the "
+            f"dense layer's; {sends} of "
             f"{facts['bytes']} bytes to the right, {facts['sent']} bytes = (t−1)/t·S for S = {facts['S']} bytes; "
             f"{facts['overlapped']} of {facts['products']} products with a receive in flight")
 
@@ -279,13 +280,14 @@ def check_forward(ns, case, group) -> dict:
     problems += product_order(products, shards, x, "forward pass", order)
     S = x.numel() * x.element_size()
     return {"problems": problems,
-            "facts": {"n": t, "sends": len(sends), "bytes": n * K_ * x.element_size(),
+            "facts": {"n": t, "shape": (n, case["out"]), "sends": len(sends), "bytes": n * K_ * x.element_size(),
                       "sent": sum(s.bytes for s in sends), "S": S,
                       "overlapped": sum(1 for p in products if p["in_flight"] > 0), "products": len(products)}}
 
 
 def _summary_autograd(facts: dict) -> str:
-    return (f"{facts['n']} ranks: out, x_shard.grad and weight.grad equal the dense layer's; backward "
+    return (f"{facts['n']} ranks (n = {facts['shape'][0]}, o = {facts['shape'][1]}): out, x_shard.grad and "
+            "weight.grad equal the dense layer's; backward "
             f"{facts['sends']} send{'s' if facts['sends'] != 1 else ''} of partial sums, {facts['sent']} bytes = "
             f"(t−1)/t·S for S = {facts['S']} bytes; {facts['overlapped']} of {facts['products']} backward products "
             "with a receive in flight")
@@ -311,7 +313,7 @@ def check_autograd(ns, case, group) -> dict:
         problems.append(wrong)
     problems += ring_messages(forward, t, me, n * K_, "forward pass")
     problems += product_order(seen.products, shards, x, "forward pass", [(me - i) % t for i in range(t)])
-    if not (isinstance(out, torch.Tensor) and out.requires_grad and out.shape == (t * n, O_)):
+    if not (isinstance(out, torch.Tensor) and out.requires_grad and out.shape == (t * n, w0.shape[0])):
         problems.append("the output does not carry a gradient: return the tensor the ring computed from forward")
         return {"problems": earlier or problems, "facts": {}}
     with watch() as backward, schedule(w, storages) as seen:
@@ -343,7 +345,7 @@ def check_autograd(ns, case, group) -> dict:
     blocks = list(dy.split(n))                                                       # t × (n, o)
     problems += product_order(products, blocks, dy, "backward pass", None)
     return {"problems": earlier or problems,
-            "facts": {"n": t, "sends": len(sends), "sent": sum(s.bytes for s in sends),
+            "facts": {"n": t, "shape": (n, case["out"]), "sends": len(sends), "sent": sum(s.bytes for s in sends),
                       "S": dx.numel() * dx.element_size(), "products": len(products),
                       "overlapped": sum(1 for p in products if p["in_flight"] > 0)}}
 

@@ -18,10 +18,10 @@ def _step(tensors, group, to=1):
     return incoming
 
 
-def _scores(q, k, owner, me, causal):
+def _scores(q, k, owner, me, causal, scale=None):
     if causal and owner > me:
         return None
-    z = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    z = q @ k.transpose(-2, -1) * (scale or 1 / math.sqrt(q.shape[-1]))
     if causal and owner == me:
         n = z.shape[-1]
         z = z.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
@@ -33,13 +33,13 @@ def _merge(out, lse, block_out, block_lse):
     return torch.exp(lse - new)[..., None] * out + torch.exp(block_lse - new)[..., None] * block_out, new
 
 
-def _ring(q, k, v, group, causal, moves=None, to=1):
+def _ring(q, k, v, group, causal, moves=None, to=1, scale=None):
     P, me = dist.get_world_size(group), dist.get_rank(group)
     out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
     held = [k, v]
     moves = P - 1 if moves is None else moves
     for step in range(P):
-        z = _scores(q, held[0], (me - step * to) % P, me, causal)
+        z = _scores(q, held[0], (me - step * to) % P, me, causal, scale)
         if z is not None:
             out, lse = _merge(out, lse, torch.softmax(z, -1) @ held[1], torch.logsumexp(z, -1))
         if step < moves:
@@ -228,15 +228,15 @@ def ring_process_number(q, k, v, group, causal):
 # ------------------------------------------------------------------ RingAttention (backward)
 
 def _grads(q, k, v, out, lse, dout, group, causal, block_d=False, local_p=False, travel=True, kv_moves=None,
-           home=True, process_number=False):
+           home=True, process_number=False, scale=None):
     P, me = dist.get_world_size(group), (dist.get_rank() if process_number else dist.get_rank(group))
-    scale = 1 / math.sqrt(q.shape[-1])
+    scale = scale or 1 / math.sqrt(q.shape[-1])
     delta = (dout * out).sum(-1, keepdim=True)
     dq = torch.zeros_like(q)
     held, moving = [k, v], [torch.zeros_like(k), torch.zeros_like(v)]
     kv_moves = P - 1 if kv_moves is None else kv_moves
     for step in range(P):
-        z = _scores(q, held[0], (me - step) % P, me, causal)
+        z = _scores(q, held[0], (me - step) % P, me, causal, scale)
         if z is not None:
             p = torch.softmax(z, -1) if local_p else torch.exp(z - lse[..., None])
             d = (dout * (torch.softmax(z, -1) @ held[1])).sum(-1, keepdim=True) if block_d else delta
@@ -666,6 +666,31 @@ class BackwardCollectsEveryBlockFirst(torch.autograd.Function):
 WRONG += [("ring_attention_check", ring_dummy_products_then_dense, ["still held the key/value blocks of group ranks"]),
           ("ring_attention_backward_check", BackwardCollectsEveryBlockFirst,
            ["the backward pass: when the last block arrived this rank still held"])]
+
+def ring_fixed_scale(q, k, v, group, causal):
+    """A right ring with the scale 1/√4 written as a number: right only for head dim 4."""
+    return _ring(q, k, v, group, causal, scale=0.5)
+
+
+class BackwardFixedScale(torch.autograd.Function):
+    """A right forward; a backward with the scale 1/√4 written as a number."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal):
+        out, lse = _ring(q, k, v, group, causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal = group, causal
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return _grads(q, k, v, out, lse, dout, ctx.group, ctx.causal, scale=0.5)
+
+
+WRONG += [("ring_attention_check", ring_fixed_scale, ["scaled by 1/√4, though this case's head dim is d = 8",
+                                                      "q.shape[-1]"]),
+          ("ring_attention_backward_check", BackwardFixedScale, ["causal True, d 8:", "q.grad is off"])]
 
 #: Right answers in forms the checks must accept.
 RIGHT = [("ring_attention_check", ring_packs_k_and_v), ("ring_attention_check", ring_exchange_first_own_last),

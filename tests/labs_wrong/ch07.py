@@ -14,12 +14,12 @@ def _exchange(held, group):
 
 
 def _ring(x_shard, weight, group, place=None, wait_first=False, post_late=False, pass_own=False, send_first=False,
-          like=None):
+          like=None, rows=None, width=None):
     """The forward ring with one thing changed; ``place(r, i, t)`` is where step i's product goes."""
     t, r = dist.get_world_size(group), dist.get_rank(group)
-    n = x_shard.shape[0]
+    n = rows or x_shard.shape[0]                             # rows, width: sizes written as numbers
     like = x_shard if like is None else like                 # what the buffers are made from
-    out = like.new_empty(t * n, weight.shape[0])
+    out = like.new_empty(t * n, width or weight.shape[0])
     gathered = like.new_empty(t * n, x_shard.shape[1])
     held = x_shard.contiguous()
     for i in range(t):
@@ -620,4 +620,17 @@ class AGMWeightGradOutOfPlace(torch.autograd.Function):
 
 
 #: Right answers in forms the checks must accept.
+def ag_two_rows(x_shard, weight, group):
+    """Writes n = 2, the rows of the default case, as a number."""
+    return _ring(x_shard, weight, group, rows=2)
+
+
+def ag_four_outputs(x_shard, weight, group):
+    """Writes the layer's width, 4 in the default case, as a number."""
+    return _ring(x_shard, weight, group, width=4)
+
+
+WRONG += [("ring_allgather_matmul_check", ag_two_rows, ["rows 3, out 6:", "raised RuntimeError"]),
+          ("ring_allgather_matmul_check", ag_four_outputs, ["rows 3, out 6:", "raised RuntimeError"])]
+
 RIGHT = [("ring_allgather_matmul_check", ag_buffers_from_the_weight), ("AllGatherMatmul_check", AGMWeightGradOutOfPlace)]
