@@ -248,6 +248,20 @@ class GatherAverageGradient(torch.autograd.Function):
         return (total / n).chunk(n, dim=0)[me].contiguous(), None   # an average: 1/n of the sum
 
 
+class GatherOwnTimesN(torch.autograd.Function):
+    """All-gather along dim 0; backward hands back n times this rank's own rows of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n, me = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return n * grad.chunk(n, dim=0)[me].contiguous(), None      # right only if every rank's loss is the same
+
+
 def all_gather_keep_own(x, group):
     """All-gather whose backward keeps only this rank's own gradient."""
     return GatherKeepOwnGradient.apply(x, group)
@@ -256,6 +270,11 @@ def all_gather_keep_own(x, group):
 def all_gather_sum(x, group):
     """All-gather whose backward sums every rank's gradient (a reduce-scatter)."""
     return GatherSumGradient.apply(x, group)
+
+
+def all_gather_own_times_n(x, group):
+    """All-gather whose backward scales this rank's own gradient by n (right only when every rank's loss is the same)."""
+    return GatherOwnTimesN.apply(x, group)
 
 
 def all_gather_average(x, group):
@@ -267,6 +286,7 @@ hunt("gather_backward", "test_all_gather", {
     "keep_own": Implementation(all_gather_keep_own, True, "lightly-ai/lightly#1528"),
     "correct": Implementation(all_gather_sum, False),
     "average": Implementation(all_gather_average, True, "cellarium-ai/cellarium-ml#184"),
+    "own_times_n": Implementation(all_gather_own_times_n, True),
 }, hint="give each rank a loss of its own (weights that depend on the rank, say) and expect, for each rank's "
         "x, the gradient of the sum of all the ranks' losses: when every rank's loss is the same, keeping "
         "one's own gradient differs from the right answer only by the factor n, which a test can overlook")

@@ -160,6 +160,38 @@ class _Sum(torch.autograd.Function):
         return grad, None
 
 
+class _SumBothWays(torch.autograd.Function):
+    """All-reduce (sum) forward and backward: g with f's backward too."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
+
+
+class _SumGradient(torch.autograd.Function):
+    """Megatron's f: identity forward, all-reduce (sum) backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
+
+
 def row_linear(x, weight, bias, group):
     """Row-parallel ``x @ W.T + b``: the partial products summed by g, then the bias, once."""
     return _Sum.apply(x @ weight.T, group) + bias                    # (m, h_out)
@@ -176,10 +208,22 @@ def row_linear_bias_over_t(x, weight, bias, group):
     return _Sum.apply(x @ weight.T + bias / t, group)                # right output; bias.grad / t
 
 
+def row_linear_sum_backward(x, weight, bias, group):
+    """Row-parallel ``x @ W.T + b`` whose g all-reduces the gradient in the backward pass too."""
+    return _SumBothWays.apply(x @ weight.T, group) + bias            # x.grad and weight.grad t times too large
+
+
+def row_linear_bias_through_f(x, weight, bias, group):
+    """Row-parallel ``x @ W.T + b`` whose bias passes through f, which sums its gradient over the ranks."""
+    return _Sum.apply(x @ weight.T, group) + _SumGradient.apply(bias, group)   # bias.grad t times too large
+
+
 hunt("row_parallel_bias", "test_row_linear", {
     "bias_before_sum": Implementation(row_linear_bias_before_sum, True,
                                       "Wenyueh/MinivLLM#80 and PaddlePaddle/Paddle#35186"),
     "correct": Implementation(row_linear, False),
     "bias_over_t": Implementation(row_linear_bias_over_t, True, "pytorch/torchtitan#4332"),
+    "sum_backward": Implementation(row_linear_sum_backward, True),
+    "bias_through_f": Implementation(row_linear_bias_through_f, True),
 }, hint="compare everything the layer promises with a dense nn.Linear: the output and every gradient, "
         "the bias's included")

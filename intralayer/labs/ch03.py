@@ -424,11 +424,19 @@ def sp_norm_linear_synced_twice(x, ln_w, ln_b, weight, group):
     return _GatherSequence.apply(z, group) @ weight.T                 # (s, b, out/t)
 
 
+def sp_norm_linear_bias_unsynced(x, ln_w, ln_b, weight, group):
+    """Sequence-parallel LayerNorm and column-parallel linear, which sums ln_w's gradient over the group but not ln_b's."""
+    ln_w = _SumOverGroup.apply(ln_w, group)
+    z = F.layer_norm(x, x.shape[-1:], ln_w, ln_b)                     # (s/t, b, h)
+    return _GatherSequence.apply(z, group) @ weight.T                 # (s, b, out/t)
+
+
 hunt("sp_layernorm_grads", "test_sp_norm_linear", {
     "unsynced": Implementation(sp_norm_linear_unsynced, True, "EleutherAI/gpt-neox#1259"),
     "correct": Implementation(sp_norm_linear, False),
     "averaged": Implementation(sp_norm_linear_averaged, True, "EleutherAI/gpt-neox#1259"),
     "synced_twice": Implementation(sp_norm_linear_synced_twice, True),
+    "bias_unsynced": Implementation(sp_norm_linear_bias_unsynced, True),
 }, hint="the output and the gradients of x and weight are right in every version: compare the LayerNorm's "
         "gradients, ln_w.grad and ln_b.grad, with those of a dense nn.LayerNorm over the whole sequence, on every "
         "rank")

@@ -176,9 +176,10 @@ _PRODUCTS = {"mm", "addmm", "bmm", "baddbmm"}
 
 
 class _Rows(Mode):
-    """The most token rows the learner's code multiplied by each of the shard's matrices in one call, found
-    in torch's matrix products by the matrix (its storage, or equal values, transposed or not, alone or as a
-    block of rows of a fused matrix): a KV cache exists so that a step runs only its new tokens through the
+    """The most token rows the learner's code ran through each of the shard's matrices in one call, found in
+    torch's matrix products by the matrix (its storage, or equal values, transposed or not, alone or as a block of
+    rows of a fused matrix) and summed over the products with the same rows of it (a product a position, or a
+    head a product, counts right): a KV cache exists so that a step runs only its new tokens through the
     projections."""
 
     def __init__(self, shard: dict):
@@ -186,10 +187,12 @@ class _Rows(Mode):
         self.weights = {name: shard[name] for name in _MATRICES}
         self.ptrs = {w.untyped_storage().data_ptr(): name for name, w in self.weights.items()}
         self.rows: dict[str, int] = {}
+        self.summed: dict[tuple, int] = {}
 
-    def _which(self, t: torch.Tensor) -> str | None:
+    def _which(self, t: torch.Tensor) -> tuple[str, tuple] | None:
+        """(the matrix's name, which rows of it) for a product's operand that is one of the shard's matrices."""
         if t.untyped_storage().data_ptr() in self.ptrs:
-            return self.ptrs[t.untyped_storage().data_ptr()]
+            return self.ptrs[t.untyped_storage().data_ptr()], (t.storage_offset(), tuple(sorted(t.shape)))
         flat = t.reshape(t.shape[-2:]) if t.dim() == 3 and t.shape[0] == 1 else t
         if flat.dim() != 2:
             return None
@@ -197,7 +200,7 @@ class _Rows(Mode):
             for m in (flat, flat.T):
                 if m.dtype == w.dtype and m.shape[1] == w.shape[1] and m.shape[0] >= w.shape[0] and \
                         any(torch.equal(m[o:o + w.shape[0]], w) for o in range(m.shape[0] - w.shape[0] + 1)):
-                    return name
+                    return name, (0, tuple(sorted(w.shape)))
         return None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -205,10 +208,11 @@ class _Rows(Mode):
             mats = [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2][-2:]
             if len(mats) == 2:
                 for mine, other in ((mats[0], mats[1]), (mats[1], mats[0])):
-                    name = self._which(mine)
-                    if name is not None and self._which(other) is None:
-                        rows = other.numel() // self.weights[name].shape[1]
-                        self.rows[name] = max(self.rows.get(name, 0), rows)
+                    found = self._which(mine)
+                    if found is not None and self._which(other) is None:
+                        name = found[0]
+                        self.summed[found] = self.summed.get(found, 0) + other.numel() // self.weights[name].shape[1]
+                        self.rows[name] = max(self.rows.get(name, 0), self.summed[found])
                         break
         return func(*args, **(kwargs or {}))
 

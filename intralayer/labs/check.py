@@ -200,6 +200,10 @@ class _Verdict:
             error = (re.findall(r"^(\w*(?:Error|Exception|Exit)\b.*)$", o.stderr, re.M) or [""])[-1][:300]
             if re.search(r"closed by peer|reset by peer|broken pipe", error, re.I):
                 lost.append(str(o.rank))
+            elif m := re.search(r"op\.preamble\.length <= op\.nbytes\. (\d+) vs (\d+)", o.stderr):
+                roots.append(f"process {o.rank} was stopped by gloo: a message of {m[1]} bytes arrived for a receive "
+                             f"buffer of {m[2]} bytes — a receive buffer must have the size and dtype of what its "
+                             "peer sends (torch.empty_like(the tensor sent))")
             elif o.exitcode is not None and o.exitcode < 0:
                 roots.append(f"process {o.rank} was killed by signal {-o.exitcode}")
             else:

@@ -191,6 +191,12 @@ def _run_case(part, ns, case, group, files) -> dict:
             with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed), \
                     watch(part.forbid_ops, part.why) as calls:
                 outcome = part.run(ns, case, group)
+                unwaited = [f"{len(FLIGHT[k])} {w}{'s' * (len(FLIGHT[k]) > 1)}" for k, w in
+                            (("sending", "send"), ("pending", "receive")) if FLIGHT[k]]
+            if unwaited and part.kind == "lab":           # (torch: modifying a tensor before its request completes
+                outcome.setdefault("problems", []).append(  # causes undefined behavior)
+                    f"it returned with {' and '.join(unwaited)} not waited for: call wait() on every request "
+                    "before the tensors it moves are used or changed, and before returning")
             if (said := _process_number(seen, group)) and outcome.get("problems"):
                 outcome["problems"].append(said)
         except KeyboardInterrupt:

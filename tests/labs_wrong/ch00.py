@@ -274,3 +274,70 @@ WRONG = [
     ("test_all_gather_check", test_own_loss_not_own_gradient, ["passes on the buggy", "averages", "cellarium"]),
     ("test_all_gather_check", test_by_name, ["fails on the correct"]),
 ]
+
+
+# ------------------------------------------------------------------ a third red team's finds
+
+def rs_unwaited_send(x, group):
+    """Never waits on its isend requests (only on the blocking recv): passed in 3 of 4 runs before the check
+    looked at the requests left in flight."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    chunks = [c.clone() for c in x.chunk(n)]
+    for step in range(1, n):
+        o, i = (me - step) % n, (me - step - 1) % n
+        incoming = torch.empty_like(chunks[i])
+        dist.isend(chunks[o], group=group, group_dst=(me + 1) % n)      # the request is dropped
+        dist.recv(incoming, group=group, group_src=(me - 1) % n)
+        chunks[i] += incoming
+    return chunks[me]
+
+
+def _ring_rs(x, group, chunk=None, buffer=None):
+    """The ring reduce-scatter with a size written as a number, or receive buffers made by ``buffer(c)``."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    c = chunk or x.numel() // n
+    chunks = [x[k * c:(k + 1) * c].clone() for k in range(n)]
+    for step in range(1, n):
+        o, i = (me - step) % n, (me - step - 1) % n
+        incoming = buffer(c) if buffer else torch.empty_like(chunks[i])
+        _exchange(chunks[o], incoming, group, (me + 1) % n, (me - 1) % n)
+        chunks[i] += incoming
+    return chunks[me]
+
+
+def rs_float32_buffer(x, group):
+    """Receives into torch.zeros(c), always float32: right only for the float32 cases."""
+    return _ring_rs(x, group, buffer=torch.zeros)
+
+
+def rs_chunk4(x, group):
+    """Writes the default chunk size, c = 4, as a number."""
+    return _ring_rs(x, group, chunk=4)
+
+
+def test_not_a_known_bug(all_gather, group):
+    """Asserts only that the gradient is neither this rank's own nor the average: any other wrong one passes."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    ws = [torch.randn(2 * n, 3, generator=torch.Generator().manual_seed(q), dtype=torch.float64) for q in range(n)]
+    x = torch.ones(2, 3, dtype=torch.float64, requires_grad=True)
+    (ws[me] * all_gather(x, group)).sum().backward()
+    assert not torch.allclose(x.grad, ws[me][2 * me:2 * me + 2]), "keeps its own gradient"
+    assert not torch.allclose(x.grad, sum(w[2 * me:2 * me + 2] for w in ws) / n), "averages"
+
+
+def test_same_loss_times_n(all_gather, group):
+    """Every rank computes the same loss and expects n times one loss's gradient: passes a backward that returns
+    n times its own gradient, wrong as soon as the ranks' losses differ."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    w = torch.arange(2.0 * n * 3, dtype=torch.float64).reshape(2 * n, 3)
+    x = torch.ones(2, 3, dtype=torch.float64, requires_grad=True)
+    (w * all_gather(x, group)).sum().backward()
+    assert torch.allclose(x.grad, n * w[2 * me:2 * me + 2])
+
+
+WRONG += [("ring_reduce_scatter_check", rs_unwaited_send, ["it returned with 1 send not waited for", "wait()"]),
+          ("ring_reduce_scatter_check", rs_float32_buffer, ["stopped by gloo: a message of 24 bytes arrived for a "
+                                                            "receive buffer of 12 bytes", "size and dtype"]),
+          ("ring_reduce_scatter_check", rs_chunk4, ["chunk 3, dtype float64:", "(n−1)/n·S = 72 bytes"]),
+          ("test_all_gather_check", test_not_a_known_bug, ["passes on the buggy", "own gradient by n"]),
+          ("test_all_gather_check", test_same_loss_times_n, ["passes on the buggy", "own gradient by n"])]

@@ -248,3 +248,34 @@ WRONG = [
 
 WRONG += [("copy_to_group_check", CopyAllReducesInPlace, ["f's backward wrote into the gradient it was given",
                                                           "Bad address"])]
+
+
+def test_bias_not_over_t(row_linear, group):
+    """The output right and bias.grad not t times too small: passes a bias gradient t times too large."""
+    t, i = dist.get_world_size(group), dist.get_rank(group)
+    dense, X = _layer(t)
+    cols = slice(4 * i, 4 * (i + 1))
+    bias = dense.bias.detach().clone().requires_grad_()
+    y = row_linear(X.detach()[:, cols], dense.weight.detach()[:, cols], bias, group)
+    y.sum().backward()
+    dense(X).sum().backward()
+    assert torch.allclose(y, dense(X).detach())
+    assert not torch.allclose(bias.grad, dense.bias.grad / t), "bias gradient divided by t"
+
+
+def test_output_and_bias_grad_only(row_linear, group):
+    """The output and bias.grad against the dense layer, never x.grad or weight.grad."""
+    t, i = dist.get_world_size(group), dist.get_rank(group)
+    dense, X = _layer(t)
+    cols = slice(4 * i, 4 * (i + 1))
+    bias = dense.bias.detach().clone().requires_grad_()
+    y = row_linear(X.detach()[:, cols], dense.weight.detach()[:, cols], bias, group)
+    y.sum().backward()
+    dense(X).sum().backward()
+    assert torch.allclose(y, dense(X).detach())
+    assert torch.allclose(bias.grad, dense.bias.grad)
+
+
+WRONG += [("test_row_linear_check", test_bias_not_over_t, ["passes on the buggy", "bias passes through f"]),
+          ("test_row_linear_check", test_output_and_bias_grad_only, ["passes on the buggy",
+                                                                     "all-reduces the gradient in the backward"])]

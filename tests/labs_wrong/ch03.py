@@ -435,3 +435,12 @@ WRONG += [("gather_sequence_check", GatherByTorch, ["torch.distributed.nn.functi
 
 
 WRONG += [("test_sp_norm_linear_check", test_not_own_share, ["passes on the buggy", "summed over the group twice"])]
+
+
+def test_ln_weight_only(sp_norm_linear, group):
+    """Compares ln_w.grad with the dense LayerNorm's and nothing else."""
+    ln, W, X, U, rows, cols, x, ln_w, ln_b, weight, y = _run(sp_norm_linear, group)
+    assert torch.allclose(ln_w.grad, ln.weight.grad, rtol=1e-12, atol=1e-12)
+
+
+WRONG += [("test_sp_norm_linear_check", test_ln_weight_only, ["passes on the buggy", "but not ln_b's"])]
