@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from .. import comm
 from .parts import Implementation, Param, hunt, lab
 from .common import calls_of, differ, earlier_part, group_info, traffic
-from .runner import watch
+from .runner import Mode, watch
 
 H_, F_ = 4, 5                          # hidden size, expert width; E = m·P experts, m per rank (2 or 3)
 #: float64: the longest reduction is an F_ = 5-term row of a down projection, or a weight
@@ -263,6 +263,49 @@ def dense_experts(seed: int, E: int) -> dict[str, torch.Tensor]:
             "w2": torch.randn(E, H_, F_, generator=g, dtype=torch.float64) / F_ ** 0.5}
 
 
+class _ExpertRows(Mode):
+    """The rows the learner's code multiplied by each local expert's matrices, per matrix, found in torch's matrix
+    products by storage: one expert's matrix ``w1[e]`` (or its transpose), or the whole ``(E/P, ·, ·)`` stack in a
+    batched product (each expert then counts the batch's rows)."""
+
+    _PRODUCTS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"}
+
+    def __init__(self, local: dict):
+        super().__init__()
+        self.local = {w.untyped_storage().data_ptr(): (name, w) for name, w in local.items()}
+        self.rows = {(name, e): 0 for name, w in local.items() for e in range(w.shape[0])}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self._PRODUCTS:
+            mats = [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2][-2:]
+            for mine, other in ((mats[:1] + mats[1:2]), (mats[1:2] + mats[:1])) if len(mats) == 2 else ():
+                name, w = self.local.get(mine.untyped_storage().data_ptr(), (None, None))
+                if name is None:
+                    continue
+                each = w[0].numel()
+                if mine.numel() == each:                           # one expert's matrix
+                    e = (mine.storage_offset() - w.storage_offset()) // each
+                    self.rows[(name, e)] += other.numel() // w.shape[-1]   # (out, in): rows of in numbers
+                elif mine.numel() == w.numel() and other.dim() == 3:   # every expert at once
+                    for e in range(w.shape[0]):
+                        self.rows[(name, e)] += other.shape[-2] if other.shape[-1] == w.shape[-1] else other.shape[-1]
+                break
+        return func(*args, **(kwargs or {}))
+
+
+def _expert_work(rows: dict, counts: torch.Tensor) -> str | None:
+    """Words if some local expert's matrix met more rows than the most any local expert was routed (padding every
+    expert to that many is fine; every expert on every received row is not)."""
+    most = int(counts.sum(0).max()) if counts.numel() else 0
+    over = [(e, name, r) for (name, e), r in rows.items() if r > most]
+    if not over:
+        return None
+    e, name, r = max(over, key=lambda o: o[2])
+    return (f"it multiplied {r} rows by local expert {e}'s {name}, but {int(counts[:, e].sum())} rows were routed to "
+            f"that expert (and at most {most} to any): run each expert on its own rows only — an expert layer's "
+            "compute grows with the tokens routed, not with the experts")
+
+
 def swiglu(w: dict, e: int, rows: torch.Tensor) -> torch.Tensor:
     """Expert e on rows (m, h): w2 · (silu(w1 x) ⊙ w3 x)."""
     return (F.silu(rows @ w["w1"][e].T) * (rows @ w["w3"][e].T)) @ w["w2"][e].T
@@ -331,8 +374,9 @@ def check_moe(ns, case, group) -> dict:
     mine = slice(m * me, m * me + m)
     local = {name: v[mine].clone().requires_grad_() for name, v in dense.items()}
     A = expert_index.numel()
-    R = expected([d[0] for d in data], [d[1] for d in data], me, m)[0].shape[0]
-    with watch() as forward:
+    _, counts = expected([d[0] for d in data], [d[1] for d in data], me, m)
+    R = int(counts.sum())
+    with watch() as forward, _ExpertRows(local) as work:
         y = ns.ep_moe(x, expert_index.clone(), weights, local["w1"], local["w3"], local["w2"], group)
     problems = []
     wrong = differ(y, wants[me].detach(), "the output", **TOL)
@@ -344,6 +388,7 @@ def check_moe(ns, case, group) -> dict:
         if torch.allclose(y.detach(), unweighted, **TOL):
             wrong += ": every row is the unweighted sum of its experts' outputs; multiply by the weights"
     problems += [wrong] if wrong else []
+    problems += [words] if (words := _expert_work(work.rows, counts)) else []
     problems += _alltoalls(forward, [(E, f"the per-expert counts ({E} numbers)"),
                                      (A * H_, f"the dispatch (A·h = {A}·{H_} numbers)"),
                                      (R * H_, f"the combine (R·h = {R}·{H_} numbers: the outputs of the rows this "
@@ -409,11 +454,19 @@ def expert_grads_router_unreduced(x, router, w, group):
     return router_grad, w_grad / dist.get_world_size(group)      # the router: this rank's tokens only
 
 
+def expert_grads_router_summed(x, router, w, group):
+    """Data-parallel gradients of an expert-parallel MoE layer, the router's gradient summed over the ranks, not averaged."""
+    router_grad, w_grad = _local_gradients(x, router, w, group)
+    dist.all_reduce(router_grad, group=group)                    # P times the mean's gradient
+    return router_grad, w_grad / dist.get_world_size(group)
+
+
 hunt("expert_grad_scale", "test_expert_grads", {
     "unscaled": Implementation(expert_grads_unscaled, True,
                                "databricks/megablocks#20, deepspeedai/DeepSpeed#5259 and NVIDIA/Megatron-LM#5956"),
     "correct": Implementation(expert_grads, False),
     "router_unreduced": Implementation(expert_grads_router_unreduced, True, "NVIDIA/Megatron-LM#599"),
+    "router_summed": Implementation(expert_grads_router_summed, True),
 }, hint="give every rank tokens of its own, and compare both returned gradients — the router's and this rank's "
         "experts' — with those of the single-device layer whose loss is the mean of ½‖y‖² over all the group's "
         "tokens")

@@ -267,6 +267,7 @@ def check_decode(ns, case, group) -> dict:
     shards = [shard(block, t, me, kv) for block in model.blocks]
     caches = [{"k": torch.zeros(B_, len(heads), s_max, D_, dtype=torch.float64),
                "v": torch.zeros(B_, len(heads), s_max, D_, dtype=torch.float64), "length": 0} for _ in model.blocks]
+    buffers = [(c["k"], c["v"]) for c in caches]                   # the preallocated s_max positions
     seen = [[] for _ in model.blocks]                              # each block's inputs so far, (n, b, h) each
     problems, said, tokens, prefill_ok = [], set(), [], True
 
@@ -309,6 +310,10 @@ def check_decode(ns, case, group) -> dict:
                     once("recompute", words)
                 cache = caches[layer]
                 length = len(x_all)
+                if any(cache.get(name) is not buffer for name, buffer in zip("kv", buffers[layer])):
+                    once("buffer", f"after {phase} block {layer}'s cache['k'] or cache['v'] is a new tensor: store the "
+                                   "new keys and values in the buffers the cache came with (cache['k'][:, :, length:"
+                                   "length + n] = ...), which hold s_max positions so that a step copies nothing else")
                 if cache.get("length") != length:
                     once("length", f"after {phase} block {layer}'s cache['length'] is {cache.get('length')!r}; it "
                                    f"should be {length}, the positions cached so far (the prompt's first {CHUNK_} "
@@ -400,7 +405,7 @@ def check_split(ns, case, group) -> dict:
             problems.append(wrong)
             continue
         kept = got.untyped_storage().nbytes()
-        if got.untyped_storage().data_ptr() == given.untyped_storage().data_ptr():
+        if got.untyped_storage().data_ptr() == given.untyped_storage().data_ptr() and kept > got.nbytes:
             problems.append(f"this rank's {name} shares memory with the whole cache it was cut from (a view: "
                             f"{kept} bytes kept alive for its {got.nbytes}): copy this rank's heads (.clone()) so "
                             "that the rest can be freed — the point of splitting the cache")
@@ -456,10 +461,21 @@ def gather_kv_cache_counted_heads(k, v, kv_heads, group):
     return tuple(out)                               # (b, total, s, d) each
 
 
+def gather_kv_cache_half_fixed(k, v, kv_heads, group):
+    """Whole-cache assembly from the ranks' parts, the keys' heads taken from ranks that keep them, the values' from
+    rank h // (heads per rank)."""
+    t = dist.get_world_size(group)
+    n = k.shape[1]                                  # heads per rank: max(a_kv/t, 1)
+    keys, values = _gathered(k, group), _gathered(v, group)
+    return (torch.stack([keys[h // n * max(t // kv_heads, 1)][:, h % n] for h in range(kv_heads)], dim=1),
+            torch.stack([values[h // n][:, h % n] for h in range(kv_heads)], dim=1))   # the fix made to one of two
+
+
 hunt("replicated_kv_gather", "test_gather_kv_cache", {
     "no_replicas": Implementation(gather_kv_cache_no_replicas, True, "sgl-project/sglang#19086"),
     "correct": Implementation(gather_kv_cache, False),
     "counted_heads": Implementation(gather_kv_cache_counted_heads, True, "sgl-project/sglang#19086"),
+    "half_fixed": Implementation(gather_kv_cache_half_fixed, True),
 }, hint="both bugs need a key/value head that more than one rank keeps (t > a_kv), and one of them at least two such "
         "heads (on 4 ranks, a_kv = 2): cut every rank's part from one whole cache by the rule of part 2, for several "
         "a_kv, and compare the assembled cache with the whole one — its shape and every head")

@@ -390,3 +390,75 @@ WRONG += [("ep_dispatch_check", dispatch_two_per_rank, ["per_rank 3:", "Split si
                                                                      "is not allowed here", "torch's own differentiable"])]
 WRONG += [("ep_dispatch_check", dispatch_list_all_to_all, ["gloo's list dist.all_to_all needs every tensor the same "
                                                            "size", "all_to_all_single"])]
+
+
+# ------------------------------------------------------------------ a third red team's finds
+
+class _Float32Wire(torch.autograd.Function):
+    """The rows travel as float32 (torch.empty without a dtype) and are cast back."""
+
+    @staticmethod
+    def forward(ctx, rows, send, recv, group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = torch.empty(sum(recv), rows.shape[1])
+        dist.all_to_all_single(out, rows.float().contiguous(), recv, send, group=group)
+        return out.to(rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = torch.empty(sum(ctx.send), grad.shape[1])
+        dist.all_to_all_single(back, grad.float().contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return back.to(grad.dtype), None, None, None
+
+
+def dispatch_float32_wire(x, expert_index, experts, group):
+    """Right rows, rounded to float32 on the way (the old integer data was exact in float32)."""
+    return _dispatch(x, expert_index, experts, group, exchange=_Float32Wire)
+
+
+def dispatch_k_two(x, expert_index, experts, group):
+    """Writes k = 2, the choices a token makes in most cases, as a number."""
+    order = torch.argsort(expert_index.reshape(-1), stable=True)
+    counts, per_expert = _counts(expert_index, experts, group)
+    return _AllToAll.apply(x[order // 2], counts.sum(1).tolist(), per_expert.sum(1).tolist(), group), per_expert
+
+
+def moe_every_expert_every_row(x, expert_index, weights, w1, w3, w2, group):
+    """Runs every local expert on every received row, then keeps each row's own expert's output: right numbers,
+    E/P times the experts' work."""
+    P, n, k = dist.get_world_size(group), w1.shape[0], expert_index.shape[1]
+    received, per_expert = _dispatch(x, expert_index, n * P, group)
+    which = torch.arange(n).repeat(P).repeat_interleave(per_expert.flatten())      # each row's local expert
+    every = torch.stack([(F.silu(received @ w1[e].T) * (received @ w3[e].T)) @ w2[e].T for e in range(n)])
+    back = _home(every[which, torch.arange(received.shape[0])], per_expert, expert_index, n, group)
+    order = torch.argsort(expert_index.reshape(-1), stable=True)
+    return torch.zeros_like(x).index_add(0, order // k, back * weights.reshape(-1)[order].unsqueeze(1))
+
+
+def moe_view_minus_one(x, expert_index, weights, w1, w3, w2, group):
+    """Puts the tokens back with view(T, k, -1), which fails on a rank with no tokens."""
+    P, n, (T, k) = dist.get_world_size(group), w1.shape[0], expert_index.shape
+    received, per_expert = _dispatch(x, expert_index, n * P, group)
+    back = _home(_experts(received, per_expert, w1, w3, w2, P), per_expert, expert_index, n, group)
+    order = torch.argsort(expert_index.reshape(-1), stable=True)
+    unsorted = torch.empty_like(back).index_copy(0, order, back).view(T, k, -1)
+    return (unsorted * weights.unsqueeze(-1)).sum(1)
+
+
+def test_router_same_on_every_rank(expert_grads, group):
+    """The experts' gradient against the single-device layer; the router's only checked to be the same on every
+    rank (a router gradient summed, not averaged, passes)."""
+    X, R, W, mine, (router_grad, w_grad) = _call(expert_grads, group)
+    assert torch.allclose(w_grad, _dense(X, R, W)[1][mine], rtol=1e-10, atol=1e-12)
+    every = [torch.empty_like(router_grad) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, router_grad.contiguous(), group=group)
+    assert all(torch.equal(o, every[0]) for o in every)
+
+
+WRONG += [("ep_dispatch_check", dispatch_float32_wire, ["received holds the right numbers rounded to float32",
+                                                        "dtype=x.dtype"]),
+          ("ep_dispatch_check", dispatch_k_two, ["k 1, empty True"]),
+          ("ep_moe_check", moe_every_expert_every_row, ["rows by local expert", "run each expert on its own rows"]),
+          ("ep_moe_check", moe_view_minus_one, ["k 1, empty True", "raised RuntimeError"]),
+          ("test_expert_grads_check", test_router_same_on_every_rank, ["passes on the buggy",
+                                                                        "summed over the ranks, not averaged"])]

@@ -358,3 +358,78 @@ WRONG += [("tp_decode_block_check", decode_sdpa_top_left_causal, ["the prefill's
                                                                   "second is not", "top left"]),
           ("tp_decode_block_check", decode_prompt_sees_only_itself, ["the prefill's second chunk"])]
 WRONG += [("tp_decode_block_check", decode_recomputes_fused, ["token rows through this rank's query matrix (wq)"])]
+
+
+# ------------------------------------------------------------------ a third red team's finds
+
+def decode_recomputes_a_position_a_product(x, p, cache, group):
+    """Keeps every input and re-projects every position's keys and values at every call, one position per product
+    (b rows each, never more than n·b in one product)."""
+    start, n = cache["length"], x.shape[0]
+    cache["x"] = x if start == 0 else torch.cat([cache["x"], x])
+    d, b = cache["k"].shape[-1], x.shape[1]
+    ks, vs = [], []
+    for i in range(start + n):                                  # every position, again
+        y = p["ln1"](cache["x"][i])                             # (b, h)
+        ks.append((y @ p["wk"].T + p["bk"]).reshape(b, -1, d))
+        vs.append((y @ p["wv"].T + p["bv"]).reshape(b, -1, d))
+    k, v = torch.stack(ks, 2), torch.stack(vs, 2)               # (b, kv, s, d)
+    cache["k"][:, :, :start + n], cache["v"][:, :, :start + n] = k, v
+    cache["length"] = start + n
+    q = (p["ln1"](x) @ p["wq"].T + p["bq"]).reshape(n, b, -1, d).permute(1, 2, 0, 3)
+    return _finish(x, _attend(q, k, v, start), p, group)
+
+
+def decode_three_heads_a_group(x, p, cache, group):
+    """Writes a/a_kv = 3 query heads per key/value head (true when a_kv = 4) as a number."""
+    n, b, _ = x.shape
+    start = cache["length"]
+    q, k, v = _qkv(x, p, cache)
+    keys, values = (c.repeat_interleave(3, dim=1) for c in _store(cache, k, v))
+    scores = q @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    later = torch.arange(start + n) > start + torch.arange(n)[:, None]
+    o = torch.softmax(scores.masked_fill(later, float("-inf")), -1) @ values
+    return _finish(x, o.permute(2, 0, 1, 3).reshape(n, b, -1), p, group)
+
+
+def decode_cache_grown_by_cat(x, p, cache, group):
+    """Replaces cache['k'] and cache['v'] with longer tensors every call (torch.cat): every step copies the whole
+    cache, the cost a preallocated cache exists to avoid."""
+    n = x.shape[0]
+    start = cache["length"]
+    q, k, v = _qkv(x, p, cache)
+    cache["k"] = torch.cat([cache["k"][:, :, :start], k], 2)
+    cache["v"] = torch.cat([cache["v"][:, :, :start], v], 2)
+    cache["length"] = start + n
+    return _finish(x, _attend(q, cache["k"], cache["v"], start), p, group)
+
+
+def test_keys_only(gather_kv_cache, group):
+    """Every layout, the shape and the values — of the keys only."""
+    t, r = dist.get_world_size(group), dist.get_rank(group)
+    g = torch.Generator().manual_seed(0)
+    for kv in (1, 2, 3, 4, 6, 12):
+        if kv % t and t % kv:
+            continue
+        K, V = (torch.randn(2, kv, 3, 4, generator=g, dtype=torch.float64) for _ in range(2))
+        m, first = max(kv // t, 1), r * kv // t
+        got_k, _ = gather_kv_cache(K[:, first:first + m].clone(), V[:, first:first + m].clone(), kv, group)
+        assert got_k.shape == K.shape and torch.equal(got_k, K)
+
+
+def split_contiguous(k, v, heads, group):
+    """This rank's heads as a slice made .contiguous(): the input itself where the slice is the whole cache (one
+    key/value head kept by every rank), which keeps nothing else alive."""
+    t, r = dist.get_world_size(group), dist.get_rank(group)
+    kv = k.shape[1]
+    first, m = r * kv // t, max(kv // t, 1)
+    return k[:, first:first + m].contiguous(), v[:, first:first + m].contiguous()
+
+
+WRONG += [("tp_decode_block_check", decode_recomputes_a_position_a_product, ["token rows through this rank's",
+                                                                             "recomputes earlier positions"]),
+          ("tp_decode_block_check", decode_three_heads_a_group, ["kv_heads 1:"]),
+          ("tp_decode_block_check", decode_cache_grown_by_cat, ["is a new tensor", "s_max positions"]),
+          ("test_gather_kv_cache_check", test_keys_only, ["passes on the buggy", "the values' from"])]
+
+RIGHT = [("split_kv_cache_check", split_contiguous)]
