@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .parts import Implementation, hunt, lab
+from .parts import Implementation, Param, hunt, lab
 from .common import calls_of, differ, group_info, traffic
 from .runner import watch
 
@@ -34,10 +34,11 @@ from .runner import watch
 #: by at most 2γ_n·Σ|terms| ≈ 2·64·2⁻⁵³·64 ≈ 9e-13; 1e-10 leaves a hundredfold margin and is
 #: far below the smallest error of a wrong answer (a missing or extra term of order 1e-2).
 TOL = dict(rtol=1e-10, atol=1e-10)
-SHAPE = (3, 5)                                         # (m, h): a small activation
+SHAPES = ((3, 5), (2, 4, 6))                           # (m, h), or (s, b, h): small activations of any shape
+PARAMS = {"shape": Param(SHAPES[0], SHAPES)}
 
 
-def _rand(seed: int, shape=SHAPE) -> torch.Tensor:
+def _rand(seed: int, shape) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
@@ -73,10 +74,10 @@ def _summary_g(facts: dict) -> str:
             f"backward sends nothing")
 
 
-@lab("copy_to_group", ("CopyToGroup",), summary=_summary_f)
+@lab("copy_to_group", ("CopyToGroup",), params=PARAMS, summary=_summary_f)
 def check_f(ns, case, group) -> dict:
     n, me = group_info(group)
-    x0 = _rand(7)                                      # replicated: the same input on every rank
+    x0 = _rand(7, case["shape"])                       # replicated: the same input on every rank
     x = x0.clone().requires_grad_()
     with watch() as forward:
         y = ns.CopyToGroup.apply(x, group)
@@ -85,7 +86,7 @@ def check_f(ns, case, group) -> dict:
     if wrong:
         problems.append(wrong + "; f is the identity in the forward pass")
     problems += _only_all_reduces(forward, 0, x0.numel(), "f's forward pass")
-    grads = [_rand(100 + q) for q in range(n)]         # each rank's upstream gradient differs
+    grads = [_rand(100 + q, case["shape"]) for q in range(n)]         # each rank's upstream gradient differs
     if isinstance(y, torch.Tensor) and y.requires_grad:
         total = sum(grads)
         upstream = grads[me].clone()
@@ -110,10 +111,10 @@ def check_f(ns, case, group) -> dict:
     return {"problems": problems, "facts": {"n": n, "S": x0.numel() * x0.element_size()}}
 
 
-@lab("reduce_from_group", ("ReduceFromGroup",), summary=_summary_g)
+@lab("reduce_from_group", ("ReduceFromGroup",), params=PARAMS, summary=_summary_g)
 def check_g(ns, case, group) -> dict:
     n, me = group_info(group)
-    parts = [_rand(200 + q) for q in range(n)]         # each rank's partial sum differs
+    parts = [_rand(200 + q, case["shape"]) for q in range(n)]         # each rank's partial sum differs
     x = parts[me].clone().requires_grad_()
     with watch() as forward:
         y = ns.ReduceFromGroup.apply(x, group)
@@ -128,7 +129,7 @@ def check_g(ns, case, group) -> dict:
         problems.append("g changed its input in place (dist.all_reduce writes its result into the tensor it "
                         "is given): all-reduce a copy, and leave the caller's tensor as it was")
     problems += _only_all_reduces(forward, 1, x.numel(), "g's forward pass")
-    grads = [_rand(300 + q) for q in range(n)]
+    grads = [_rand(300 + q, case["shape"]) for q in range(n)]
     if isinstance(y, torch.Tensor) and y.requires_grad:
         with watch() as backward:
             y.backward(grads[me].clone())

@@ -36,16 +36,16 @@ from .runner import watch
 #: weight gradient); 2γ_24·Σ|terms| with Σ|terms| ≲ 24 is ≈ 1.3e-13, so 1e-10 is a wide margin
 #: that still sits orders of magnitude below any wrong answer (a missing bias is of order 0.1).
 TOL = dict(rtol=1e-10, atol=1e-10)
-S_, B_, H_, FFN_ = 3, 2, 6, 24                          # (s, b, h) activations; the MLP is 4h = 24 wide: t = 2, 3, 4
-SEED = {"seed": Param(0, minimum=0)}
+S_, B_ = 3, 2                                           # (s, b); h is the case's, 6 or 9: t = 2, 3, 4 divide 4h
+SEED = {"h": Param(6, (6, 9)), "seed": Param(0, minimum=0)}
 WHY = ("intralayer.tensor_parallel is the library's own Megatron MLP, the answer to this lab; "
        "build it from the shards, GeLU and comm's f and g (or your own)")
 
 
-def dense_mlp(seed: int = 0) -> tuple[torch.nn.Linear, torch.nn.Linear]:
+def dense_mlp(seed: int = 0, h: int = 6) -> tuple[torch.nn.Linear, torch.nn.Linear]:
     """fc1 (h → 4h) and fc2 (4h → h) in float64, the same on every rank."""
     torch.manual_seed(seed)
-    return torch.nn.Linear(H_, FFN_).double(), torch.nn.Linear(FFN_, H_).double()
+    return torch.nn.Linear(h, 4 * h).double(), torch.nn.Linear(4 * h, h).double()
 
 
 def shards(fc1, fc2, n: int, r: int) -> dict[str, torch.Tensor]:
@@ -57,13 +57,13 @@ def shards(fc1, fc2, n: int, r: int) -> dict[str, torch.Tensor]:
 
 def _summary_shard(facts: dict) -> str:
     return (f"{facts['n']} ranks: each holds {facts['held']} of the dense MLP's {facts['dense']} parameters "
-            f"((8h² + 4h)/t + h of 8h² + 5h, h = {H_})")
+            f"((8h² + 4h)/t + h of 8h² + 5h, h = {facts['h']})")
 
 
 @lab("shard_mlp", ("shard_mlp",), params=SEED, forbid_modules=("intralayer.tensor_parallel",), why=WHY, summary=_summary_shard)
 def check_shard(ns, case, group) -> dict:
     n, me = group_info(group)
-    fc1, fc2 = dense_mlp(case["seed"])
+    fc1, fc2 = dense_mlp(case["seed"], case["h"])
     with watch() as calls:
         p = ns.shard_mlp(fc1, fc2, group)
     problems = []
@@ -82,7 +82,7 @@ def check_shard(ns, case, group) -> dict:
         if wrong:
             other = next((q for q in range(n) if q != me and isinstance(got, torch.Tensor)
                           and got.shape == ref.shape and torch.equal(got, shards(fc1, fc2, n, q)[key].detach())), None)
-            f = FFN_ // n
+            f = fc1.out_features // n
             how = {"w1": f"rows {me * f} to {(me + 1) * f - 1} of fc1.weight (its output features)",
                    "b1": f"entries {me * f} to {(me + 1) * f - 1} of fc1.bias",
                    "w2": f"columns {me * f} to {(me + 1) * f - 1} of fc2.weight (its input features)",
@@ -100,7 +100,7 @@ def check_shard(ns, case, group) -> dict:
                             "slice (clone it), or tensor parallelism saves no memory")
     held = sum(int(v.numel()) for v in p.values() if isinstance(v, torch.Tensor))
     dense_count = sum(int(t.numel()) for t in (fc1.weight, fc1.bias, fc2.weight, fc2.bias))
-    return {"problems": problems, "facts": {"n": n, "held": held, "dense": dense_count}}
+    return {"problems": problems, "facts": {"n": n, "held": held, "dense": dense_count, "h": case["h"]}}
 
 
 def _summary_mlp(facts: dict) -> str:
@@ -112,10 +112,10 @@ def _summary_mlp(facts: dict) -> str:
      summary=_summary_mlp)
 def check_mlp(ns, case, group) -> dict:
     n, me = group_info(group)
-    fc1, fc2 = dense_mlp(case["seed"])
+    fc1, fc2 = dense_mlp(case["seed"], case["h"])
     g = torch.Generator().manual_seed(5)
-    x0 = torch.randn(S_, B_, H_, generator=g, dtype=torch.float64)             # (s, b, h), the same on every rank
-    upstream = torch.randn(S_, B_, H_, generator=g, dtype=torch.float64)       # every rank: the same loss
+    x0 = torch.randn(S_, B_, case["h"], generator=g, dtype=torch.float64)             # (s, b, h), the same on every rank
+    upstream = torch.randn(S_, B_, case["h"], generator=g, dtype=torch.float64)       # every rank: the same loss
     xd = x0.clone().requires_grad_()
     yd = fc2(F.gelu(fc1(xd)))                                                   # the dense MLP
     (yd * upstream).sum().backward()
@@ -167,7 +167,7 @@ def check_mlp(ns, case, group) -> dict:
 
 
 def shards_of_grad(grads: dict, key: str, n: int, r: int) -> torch.Tensor:
-    f = FFN_ // n
+    f = grads["w1"].shape[0] // n
     rows = slice(r * f, (r + 1) * f)
     return {"w1": grads["w1"][rows], "b1": grads["b1"][rows], "w2": grads["w2"][:, rows], "b2": grads["b2"]}[key]
 

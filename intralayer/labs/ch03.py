@@ -48,8 +48,8 @@ from .runner import watch
 #: of order 1, whose reordering costs ≲ 2γ₂₄·24 ≈ 1.3e-13; 1e-10 leaves a wide margin and sits
 #: orders of magnitude below any wrong answer (a missing rank's share is of order 0.1).
 TOL = dict(rtol=1e-10, atol=1e-10)
-S_, B_, H_, FFN_ = 12, 2, 6, 24             # (s, b, h), the MLP 4h = 24 wide: t = 2, 3, 4 divide s and 4h
-SEED = {"seed": Param(0, minimum=0)}
+S_, B_ = 12, 2                              # (s, b); h is the case's, 6 or 9: t = 2, 3, 4 divide s and 4h
+SEED = {"h": Param(6, (6, 9)), "seed": Param(0, minimum=0)}
 REPLICATED = ("ln_w", "ln_b", "b2")
 NAMES = {"ln_w": "the LayerNorm's weight (ln_w)", "ln_b": "the LayerNorm's bias (ln_b)",
          "w1": "fc1's weight (w1)", "b1": "fc1's bias (b1)", "w2": "fc2's weight (w2)", "b2": "fc2's bias (b2)"}
@@ -99,8 +99,9 @@ def _summary_gather(facts: dict) -> str:
 def check_gather(ns, case, group) -> dict:
     n, me = group_info(group)
     g = torch.Generator().manual_seed(1000 * case["seed"] + n)
-    xs = [_rand(g, S_ // n, B_, H_) for _ in range(n)]               # every rank's (s/t, b, h) slice
-    grads = [_rand(g, S_, B_, H_) for _ in range(n)]                 # every rank's own gradient of the gather
+    h = case["h"]
+    xs = [_rand(g, S_ // n, B_, h) for _ in range(n)]               # every rank's (s/t, b, h) slice
+    grads = [_rand(g, S_, B_, h) for _ in range(n)]                 # every rank's own gradient of the gather
     x = xs[me].clone().requires_grad_()
     with watch() as forward:
         y = ns.GatherSequence.apply(x, group)
@@ -148,25 +149,25 @@ def check_gather(ns, case, group) -> dict:
 
 # ---------------------------------------------------------------------------- part 2: the MLP
 
-def dense_mlp(seed: int):
+def dense_mlp(seed: int, h: int):
     """A LayerNorm and the MLP's fc1 (h → 4h), fc2 (4h → h) in float64, the same on every rank."""
     torch.manual_seed(seed)
-    ln = torch.nn.LayerNorm(H_, dtype=torch.float64)
+    ln = torch.nn.LayerNorm(h, dtype=torch.float64)
     with torch.no_grad():                           # not ones and zeros: a swapped or missing term shows
         ln.weight.uniform_(0.5, 1.5)
         ln.bias.normal_()
-    return ln, torch.nn.Linear(H_, FFN_, dtype=torch.float64), torch.nn.Linear(FFN_, H_, dtype=torch.float64)
+    return ln, torch.nn.Linear(h, 4 * h, dtype=torch.float64), torch.nn.Linear(4 * h, h, dtype=torch.float64)
 
 
-def reference(seed: int, n: int, me: int) -> dict:
+def reference(seed: int, n: int, me: int, h: int) -> dict:
     """The dense module's input, output and gradients, and this rank's view of them.
 
     ``shares``: the replicated parameters' gradients from this rank's tokens only (what each
     rank holds after backward under sequence parallelism, before they are summed).
     """
-    ln, fc1, fc2 = dense_mlp(seed)
+    ln, fc1, fc2 = dense_mlp(seed, h)
     g = torch.Generator().manual_seed(77 + seed)
-    X, U = _rand(g, S_, B_, H_), _rand(g, S_, B_, H_)                # input and upstream gradient, (s, b, h)
+    X, U = _rand(g, S_, B_, h), _rand(g, S_, B_, h)                # input and upstream gradient, (s, b, h)
     params = {"ln_w": ln.weight, "ln_b": ln.bias, "w1": fc1.weight, "b1": fc1.bias, "w2": fc2.weight,
               "b2": fc2.bias}
 
@@ -184,7 +185,7 @@ def reference(seed: int, n: int, me: int) -> dict:
     Y, dX, grads = run(U)
     with torch.no_grad():                                            # a common slip, to name it
         Y_tanh = X + fc2(F.gelu(fc1(ln(X)), approximate="tanh"))
-    f = FFN_ // n
+    f = 4 * h // n
     cols = slice(me * f, (me + 1) * f)
     cut = {"ln_w": slice(None), "ln_b": slice(None), "w1": cols, "b1": cols, "w2": (slice(None), cols),
            "b2": slice(None)}
@@ -209,7 +210,7 @@ def _summary_mlp(facts: dict) -> str:
 def check_mlp(ns, case, group) -> dict:
     n, me = group_info(group)
     earlier = earlier_part(ns, "GatherSequence", 1, check_gather, case, group)
-    ref = reference(case["seed"], n, me)
+    ref = reference(case["seed"], n, me, case["h"])
     rows = _rows(n, me)
     p = _leaves(ref["weights"])
     x = ref["X"][rows].clone().requires_grad_()
@@ -309,7 +310,7 @@ def _summary_sync(facts: dict) -> str:
      summary=_summary_sync)
 def check_sync(ns, case, group) -> dict:
     n, me = group_info(group)
-    ref = reference(case["seed"], n, me)
+    ref = reference(case["seed"], n, me, case["h"])
     p = _leaves(ref["weights"])
     for key in p:                                   # as sp_mlp's backward leaves them
         p[key].grad = (ref["shares"][key] if key in REPLICATED else ref["grads"][key]).clone()
@@ -333,7 +334,7 @@ def check_sync(ns, case, group) -> dict:
             wrong += (f"; it is the average of the shares, {n} times too small: the shares come from different "
                       "tokens, and the gradient is their sum")
         problems.append(wrong)
-    elements = 3 * H_
+    elements = 3 * case["h"]
     ars = calls_of(calls, "all_reduce")
     others = [c for c in calls if c.op != "all_reduce"]
     if others or len(ars) != 1:

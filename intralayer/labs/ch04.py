@@ -109,8 +109,8 @@ def ring_links(calls, n: int, me: int) -> list[str]:
     right, left = (me + 1) % n, (me - 1) % n
     others = sorted({s.peer for s in sends if s.peer != right})
     if others:
-        problems.append(f"it sent to group rank{'s' if len(others) > 1 else ''} {others}: on a ring each rank "
-                        f"sends only to its right neighbour, group rank {right}")
+        problems.append(f"it sent to group rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}: on a "
+                        f"ring each rank sends only to its right neighbour, group rank {right}")
     sources = sorted({-1 if r.peer is None else r.peer for r in recvs if r.peer != left})
     if sources:
         said = ", ".join("any source" if s == -1 else str(s) for s in sources)

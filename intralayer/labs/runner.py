@@ -193,6 +193,9 @@ def _run_case(part, ns, case, group, files) -> dict:
                 outcome = part.run(ns, case, group)
                 unwaited = [f"{len(FLIGHT[k])} {w}{'s' * (len(FLIGHT[k]) > 1)}" for k, w in
                             (("sending", "send"), ("pending", "receive")) if FLIGHT[k]]
+                for work in [*FLIGHT["sending"].values(), *FLIGHT["pending"].values()]:
+                    with contextlib.suppress(Exception):      # finished here, not in the next case's group
+                        work.wait()
             if unwaited and part.kind == "lab":           # (torch: modifying a tensor before its request completes
                 outcome.setdefault("problems", []).append(  # causes undefined behavior)
                     f"it returned with {' and '.join(unwaited)} not waited for: call wait() on every request "

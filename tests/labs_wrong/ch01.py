@@ -279,3 +279,22 @@ def test_output_and_bias_grad_only(row_linear, group):
 WRONG += [("test_row_linear_check", test_bias_not_over_t, ["passes on the buggy", "bias passes through f"]),
           ("test_row_linear_check", test_output_and_bias_grad_only, ["passes on the buggy",
                                                                      "all-reduces the gradient in the backward"])]
+
+
+class CopyToGroupFixedShape(torch.autograd.Function):
+    """Backward all-reduces into a (3, 5) float64 buffer: right only for the default case's activation."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = torch.zeros(3, 5, dtype=torch.float64)
+        out += grad
+        dist.all_reduce(out, group=ctx.group)
+        return out, None
+
+
+WRONG += [("copy_to_group_check", CopyToGroupFixedShape, ["shape (2, 4, 6):", "raised RuntimeError"])]

@@ -195,3 +195,14 @@ WRONG = [
 
 WRONG += [("test_greedy_token_check", test_by_docstring, ["fails on the correct"]),
           ("test_greedy_token_check", test_by_code, ["fails on the correct"])]
+
+
+def shard_width_24(fc1, fc2, group):
+    """Writes the MLP's width 4h = 24 (h = 6) as a number."""
+    t, i = dist.get_world_size(group), dist.get_rank(group)
+    rows = slice(i * 24 // t, (i + 1) * 24 // t)
+    return {"w1": _own(fc1.weight[rows]), "b1": _own(fc1.bias[rows]), "w2": _own(fc2.weight[:, rows]),
+            "b2": _own(fc2.bias)}
+
+
+WRONG += [("shard_mlp_check", shard_width_24, ["h 9:"])]

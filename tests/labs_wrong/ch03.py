@@ -444,3 +444,13 @@ def test_ln_weight_only(sp_norm_linear, group):
 
 
 WRONG += [("test_sp_norm_linear_check", test_ln_weight_only, ["passes on the buggy", "but not ln_b's"])]
+
+
+def sync_grads_width_6(p, group):
+    """Writes h = 6 as a number: split([6, 6, 6])."""
+    flat = torch.cat([p["ln_w"].grad, p["ln_b"].grad, p["b2"].grad])
+    dist.all_reduce(flat, group=group)
+    p["ln_w"].grad, p["ln_b"].grad, p["b2"].grad = flat.split([6, 6, 6])
+
+
+WRONG += [("sync_grads_check", sync_grads_width_6, ["h 9:"])]

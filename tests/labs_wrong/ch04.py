@@ -532,7 +532,7 @@ WRONG = [
     ("ring_attention_check", ring_naive_merge, ["NaN or inf", "overflows", "holds a score of 1000"]),
     ("ring_attention_check", ring_naive_weights, ["out is off by up to nan", "out holds NaN or inf", "overflows"]),
     ("ring_attention_check", ring_own_block_only, ["own keys only", "never passed on", "it sent 0 bytes"]),
-    ("ring_attention_check", ring_sends_to_everyone, ["it sent to group ranks", "right neighbour"]),
+    ("ring_attention_check", ring_sends_to_everyone, ["it sent to group rank 2:", "right neighbour"]),
     ("ring_attention_check", ring_one_move_too_many, ["next stop is its own rank", "P − 1 times (P = 2)"]),
     ("ring_attention_check", ring_ignores_causal, ["without the causal mask"]),
     ("ring_attention_check", ring_gathers, ["all-gather is not allowed here", "point-to-point"]),
