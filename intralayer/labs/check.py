@@ -105,9 +105,11 @@ def progress(chapter: str) -> None:
         print(f"- {p.name} ({p.kind}): {({True: 'passes', False: 'fails'}).get(PROGRESS.get(p.name), 'not run yet')}")
 
 
-def run_many(checks: list[Check], deadline: float = DEADLINE_S, group_timeout: float = GROUP_TIMEOUT_S) -> list:
+def run_many(checks: list[Check], deadline: float = DEADLINE_S, group_timeout: float = GROUP_TIMEOUT_S,
+             first_failure: bool = False) -> list:
     """Several checks in one start of the ranks; for each, its :class:`Report` or the exception its
-    :meth:`Check.run` would raise (a check that fails before starting starts nothing)."""
+    :meth:`Check.run` would raise (a check that fails before starting starts nothing). ``first_failure``: a lab
+    check runs no case after its first failing one (the tests of wrong answers; a learner sees every case)."""
     ranks.seconds("deadline", deadline)
     ranks.seconds("group_timeout", group_timeout)
     if group_timeout >= deadline:
@@ -121,7 +123,7 @@ def run_many(checks: list[Check], deadline: float = DEADLINE_S, group_timeout: f
             results.append(exc)
     if ready := [i for i, r in enumerate(results) if isinstance(r, transport.Package)]:
         jobs = [{"part": checks[i].part.name, "payload": results[i].payload, "cases": checks[i].cases,
-                 "files": results[i].files} for i in ready]
+                 "files": results[i].files, "first_failure": first_failure} for i in ready]
         outcomes = ranks.run(runner.run_jobs, runner.WORLD, (jobs, group_timeout), deadline=deadline)
         for job, i in enumerate(ready):
             results[i] = _Verdict(checks[i], results[i], job, outcomes, deadline).result()
@@ -228,6 +230,8 @@ class _Verdict:
         return _grouped(said, len(found)) + _grouped(stuck, len(found)), unwritten
 
     def lab_case(self, case: dict, found: list[dict]):
+        if not found:                              # not run: an earlier case failed (first_failure)
+            return "", [], None
         errors, unwritten = self.errors(found)
         problems = errors[:4] or _grouped([(_who(o), p) for o in found for p in o.get("problems", [])], len(found), ": ")
         if problems:

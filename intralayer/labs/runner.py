@@ -230,7 +230,7 @@ def run_jobs(jobs: list[dict], group_timeout: float) -> None:
                 except Exception as exc:
                     ns, load_error = None, error_info(exc, files)
                 for case in job["cases"]:
-                    if settled:        # a hunt's test failed on the correct implementation: its verdict is known
+                    if settled:        # the verdict is known: a hunt's test failed on the correct implementation
                         cases.append(None)
                         continue
                     groups = [(r, distributed.new_group(r, timeout_s=group_timeout)) for r in layout(case["ranks"])]
@@ -239,11 +239,13 @@ def run_jobs(jobs: list[dict], group_timeout: float) -> None:
                         if d.rank in members:
                             outcome = {"error": load_error} if load_error else _run_case(part, ns, case, group, files)
                             outcome.update(group=members, group_rank=members.index(d.rank))
-                    failed = torch.tensor([1.0 if outcome and outcome.get("error") else 0.0])
+                    failed = torch.tensor([1.0 if outcome and outcome.get("error") else
+                                           0.5 if outcome and outcome.get("problems") else 0.0])
                     dist.all_reduce(failed, op=dist.ReduceOp.MAX)     # wait for every group; did any rank fail?
-                    broken, failed = broken or bool(failed.item()), bool(failed.item())
+                    broken, failed = broken or failed.item() == 1.0, failed.item()
                     cases.append(outcome)
-                    settled = failed and part.kind == "hunt" and not part.implementations[case["impl"]].buggy
+                    settled = (failed == 1.0 and part.kind == "hunt" and not part.implementations[case["impl"]].buggy
+                               or failed > 0 and part.kind == "lab" and job.get("first_failure", False))
             ranks.report({"cases": cases})
         if broken:                 # a group may hold a send no one will receive: leave without teardown
             sys.stdout.flush(), sys.stderr.flush()

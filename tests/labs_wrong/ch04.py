@@ -663,7 +663,7 @@ class BackwardCollectsEveryBlockFirst(torch.autograd.Function):
         return dq, moving[0], moving[1], None, None
 
 
-WRONG += [("ring_attention_check", ring_dummy_products_then_dense, ["still held the key/value blocks of group ranks"]),
+WRONG += [("ring_attention_check", ring_dummy_products_then_dense, ["over 6 keys at once"]),
           ("ring_attention_backward_check", BackwardCollectsEveryBlockFirst,
            ["the backward pass: when the last block arrived this rank still held"])]
 
