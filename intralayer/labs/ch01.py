@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .parts import Implementation, Param, hunt, lab
-from .common import calls_of, differ, group_info, traffic
+from .common import SumOverGroup, calls_of, differ, group_info, traffic
 from .runner import watch
 
 #: float64 throughout: a reordered sum of n ≤ 64 terms of order 1 differs from the dense one
@@ -178,21 +178,6 @@ class _SumBothWays(torch.autograd.Function):
         return total, None
 
 
-class _SumGradient(torch.autograd.Function):
-    """Megatron's f: identity forward, all-reduce (sum) backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        total = grad.contiguous().clone()
-        dist.all_reduce(total, group=ctx.group)
-        return total, None
-
-
 def row_linear(x, weight, bias, group):
     """Row-parallel ``x @ W.T + b``: the partial products summed by g, then the bias, once."""
     return _Sum.apply(x @ weight.T, group) + bias                    # (m, h_out)
@@ -216,7 +201,7 @@ def row_linear_sum_backward(x, weight, bias, group):
 
 def row_linear_bias_through_f(x, weight, bias, group):
     """Row-parallel ``x @ W.T + b`` whose bias passes through f, which sums its gradient over the ranks."""
-    return _Sum.apply(x @ weight.T, group) + _SumGradient.apply(bias, group)   # bias.grad t times too large
+    return _Sum.apply(x @ weight.T, group) + SumOverGroup.apply(bias, group)   # bias.grad t times too large
 
 
 hunt("row_parallel_bias", "test_row_linear", {

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .parts import Implementation, Param, hunt, lab
-from .common import calls_of, differ, earlier_part, group_info, traffic
+from .common import SumOverGroup, calls_of, differ, earlier_part, group_info, traffic
 from .runner import watch
 
 #: float64 throughout: the longest sums are fc2's 24 terms and a weight gradient's s·b = 24 rows
@@ -368,21 +368,6 @@ class _GatherSequence(torch.autograd.Function):
         return out, None                                               # (s/t, b, h)
 
 
-class _SumOverGroup(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the group (the replicated parameters' sync)."""
-
-    @staticmethod
-    def forward(ctx, w, group):
-        ctx.group = group
-        return w.view_as(w)
-
-    @staticmethod
-    def backward(ctx, grad):
-        total = grad.contiguous().clone()
-        dist.all_reduce(total, group=ctx.group)
-        return total, None
-
-
 class _AverageOverGroup(torch.autograd.Function):
     """Identity forward; backward averages the gradient over the group."""
 
@@ -406,7 +391,7 @@ def sp_norm_linear_unsynced(x, ln_w, ln_b, weight, group):
 
 def sp_norm_linear(x, ln_w, ln_b, weight, group):
     """Sequence-parallel LayerNorm and column-parallel linear, its LayerNorm gradients summed over the group."""
-    ln_w, ln_b = _SumOverGroup.apply(ln_w, group), _SumOverGroup.apply(ln_b, group)
+    ln_w, ln_b = SumOverGroup.apply(ln_w, group), SumOverGroup.apply(ln_b, group)
     z = F.layer_norm(x, x.shape[-1:], ln_w, ln_b)                     # (s/t, b, h)
     return _GatherSequence.apply(z, group) @ weight.T                 # (s, b, out/t)
 
@@ -420,14 +405,14 @@ def sp_norm_linear_averaged(x, ln_w, ln_b, weight, group):
 
 def sp_norm_linear_synced_twice(x, ln_w, ln_b, weight, group):
     """Sequence-parallel LayerNorm and column-parallel linear, its LayerNorm gradients summed over the group twice."""
-    ln_w, ln_b = (_SumOverGroup.apply(_SumOverGroup.apply(w, group), group) for w in (ln_w, ln_b))
+    ln_w, ln_b = (SumOverGroup.apply(SumOverGroup.apply(w, group), group) for w in (ln_w, ln_b))
     z = F.layer_norm(x, x.shape[-1:], ln_w, ln_b)                     # (s/t, b, h)
     return _GatherSequence.apply(z, group) @ weight.T                 # (s, b, out/t)
 
 
 def sp_norm_linear_bias_unsynced(x, ln_w, ln_b, weight, group):
     """Sequence-parallel LayerNorm and column-parallel linear, which sums ln_w's gradient over the group but not ln_b's."""
-    ln_w = _SumOverGroup.apply(ln_w, group)
+    ln_w = SumOverGroup.apply(ln_w, group)
     z = F.layer_norm(x, x.shape[-1:], ln_w, ln_b)                     # (s/t, b, h)
     return _GatherSequence.apply(z, group) @ weight.T                 # (s, b, out/t)
 

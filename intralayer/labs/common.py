@@ -63,3 +63,19 @@ def earlier_part(ns, name: str, part: int, run, case: dict, group) -> list[str]:
                     + "; fix it first: this part calls it",)
         raise
     return [f"{said} (fix it first: this part calls it): {p}" for p in outcome.get("problems", [])]
+
+
+class SumOverGroup(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the group (Megatron's f; a replicated parameter's
+    sync). The bug hunts' implementations use it."""
+
+    @staticmethod
+    def forward(ctx, w, group):
+        ctx.group = group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
