@@ -356,3 +356,38 @@ def rs_power_of_two_mask(x, group):
 
 
 WRONG += [("ring_reduce_scatter_check", rs_power_of_two_mask, ["On 3 ranks (processes [1, 2, 3])"])]
+
+
+def rs_parity_blocking(x, group):
+    """Blocking send and recv, even ranks sending first and odd ranks receiving first."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    chunks = [c.clone() for c in x.chunk(n)]
+    for step in range(1, n):
+        o, i = (me - step) % n, (me - step - 1) % n
+        incoming = torch.empty_like(chunks[i])
+        if me % 2 == 0:
+            dist.send(chunks[o], group=group, group_dst=(me + 1) % n)
+            dist.recv(incoming, group=group, group_src=(me - 1) % n)
+        else:
+            dist.recv(incoming, group=group, group_src=(me - 1) % n)
+            dist.send(chunks[o], group=group, group_dst=(me + 1) % n)
+        chunks[i] += incoming
+    return chunks[me]
+
+
+def rs_global_peers(x, group):
+    """The peers as global ranks (dist.get_global_rank), passed as dst= and src= with group=."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    right, left = dist.get_global_rank(group, (me + 1) % n), dist.get_global_rank(group, (me - 1) % n)
+    chunks = [c.clone() for c in x.chunk(n)]
+    for step in range(1, n):
+        o, i = (me - step) % n, (me - step - 1) % n
+        incoming = torch.empty_like(chunks[i])
+        for request in (dist.isend(chunks[o], dst=right, group=group), dist.irecv(incoming, src=left, group=group)):
+            request.wait()
+        chunks[i] += incoming
+    return chunks[me]
+
+
+#: Right answers in forms the checks must accept (a third red team's).
+RIGHT = [("ring_reduce_scatter_check", rs_parity_blocking), ("ring_reduce_scatter_check", rs_global_peers)]

@@ -298,3 +298,35 @@ class CopyToGroupFixedShape(torch.autograd.Function):
 
 
 WRONG += [("copy_to_group_check", CopyToGroupFixedShape, ["shape (2, 4, 6):", "raised RuntimeError"])]
+
+
+class ReduceFromGroupStraightThrough:
+    """g without an autograd function: the all-reduced value, with x's gradient (identity), straight through."""
+
+    @staticmethod
+    def apply(x, group):
+        total = x.detach().clone()
+        dist.all_reduce(total, group=group)
+        return x + (total - x.detach())
+
+
+class CopyToGroupSetupContext(torch.autograd.Function):
+    """f in the setup_context style, its backward's all-reduce asynchronous and waited for."""
+
+    @staticmethod
+    def forward(x, group):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.clone()
+        dist.all_reduce(out, group=ctx.group, async_op=True).wait()
+        return out, None
+
+
+#: Right answers in forms the checks must accept (a third red team's).
+RIGHT = [("reduce_from_group_check", ReduceFromGroupStraightThrough), ("copy_to_group_check", CopyToGroupSetupContext)]

@@ -454,3 +454,17 @@ def sync_grads_width_6(p, group):
 
 
 WRONG += [("sync_grads_check", sync_grads_width_6, ["h 9:"])]
+
+
+def sync_grads_flatten_utils(p, group):
+    """torch's own flatten and unflatten helpers, each .grad replaced rather than copied into."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+    ws = [p["ln_w"], p["ln_b"], p["b2"]]
+    flat = _flatten_dense_tensors([w.grad for w in ws])
+    dist.all_reduce(flat, group=group)
+    for w, g in zip(ws, _unflatten_dense_tensors(flat, [w.grad for w in ws])):
+        w.grad = g
+
+
+#: Right answers in forms the checks must accept (a third red team's).
+RIGHT = [("sync_grads_check", sync_grads_flatten_utils)]
